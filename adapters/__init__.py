@@ -1,0 +1,1 @@
+"""The edges: NIXL, ZMQ, CUDA/torch copies, the /dev/shm region, threads, in-memory fabric."""

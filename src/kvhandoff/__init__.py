@@ -1,0 +1,3 @@
+"""kvhandoff: declared state machines for moving caches between inference instances."""
+
+__version__ = "0.1.0"
