@@ -1,0 +1,203 @@
+"""The `ec_transfer_params` a producer publishes per `mm_hash` (R-E06).
+
+A servable encoding is published as
+`{"metadata": {...}, "peer_host": str, "peer_port": int, "size_bytes": int}`: the
+model's placeholder metadata (non-empty) and the connector's handle, published together.
+An encoding the producer cannot serve (never stored, or since evicted) is published as
+`{"metadata": {}}`: empty metadata and no address, so the orchestrator keeps the media
+and the consumer encodes locally. Anything in between (one half without the other) is
+malformed. The unservable form doubles as the eviction announcement of B-01: publishing
+it for an `mm_hash` withdraws an earlier publication.
+
+Part of the local tier: no nixl, zmq or msgspec (R-E02).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeGuard
+
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "ENTRY_KEYS",
+    "MAX_HOST_CHARS",
+    "MAX_METADATA_DEPTH",
+    "MAX_MM_HASH_CHARS",
+    "PublishedEncoding",
+    "build_ec_transfer_params",
+    "parse_ec_transfer_params",
+    "publish_entry",
+    "unservable_entry",
+]
+
+ENTRY_KEYS: Final[tuple[str, ...]] = ("metadata", "peer_host", "peer_port", "size_bytes")
+_ADDRESS_KEYS: Final[tuple[str, ...]] = ENTRY_KEYS[1:]
+MAX_MM_HASH_CHARS: Final[int] = 256
+MAX_HOST_CHARS: Final[int] = 255
+MAX_METADATA_DEPTH: Final[int] = 32
+"""Deepest nesting of lists and objects accepted inside `metadata`."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedEncoding:
+    """One servable encoding: where to send the `XferReq` and how big the encoding is."""
+
+    metadata: Mapping[str, Any]
+    """The model's placeholder fields for the modality (non-empty)."""
+    peer_host: str
+    """Host of the producer's ZMQ ROUTER."""
+    peer_port: int
+    """Port of the producer's ZMQ ROUTER."""
+    size_bytes: int
+    """Bytes of the encoding; the consumer reserves blocks for it."""
+
+    def __post_init__(self) -> None:
+        problem = _entry_problem(self.metadata, self.peer_host, self.peer_port, self.size_bytes)
+        if problem is not None:
+            raise LocalProtocolError(f"invalid published encoding: {problem}")
+
+    def to_entry(self) -> dict[str, Any]:
+        """The JSON-ready entry of this encoding."""
+        return {
+            "metadata": dict(self.metadata),
+            "peer_host": self.peer_host,
+            "peer_port": self.peer_port,
+            "size_bytes": self.size_bytes,
+        }
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_problem(value: object, depth: int) -> str | None:
+    if depth > MAX_METADATA_DEPTH:
+        return f"nested deeper than {MAX_METADATA_DEPTH}"
+    if value is None or isinstance(value, str | int | float):  # bool is an int
+        return None
+    if isinstance(value, list | tuple):
+        for item in value:
+            problem = _json_problem(item, depth + 1)
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"non-string key {key!r}"
+            problem = _json_problem(item, depth + 1)
+            if problem is not None:
+                return problem
+        return None
+    return f"value of type {type(value).__name__} is not JSON data"
+
+
+def _entry_problem(metadata: object, host: object, port: object, size: object) -> str | None:
+    if not isinstance(metadata, Mapping) or not metadata:
+        return "metadata of a servable entry must be a non-empty object"
+    problem = _json_problem(metadata, 1)
+    if problem is not None:
+        return f"metadata: {problem}"
+    if (
+        not isinstance(host, str)
+        or not host
+        or len(host) > MAX_HOST_CHARS
+        or any(c.isspace() for c in host)
+    ):
+        return f"peer_host must be a host name or address, got {host!r:.80}"
+    if not _is_int(port) or not 0 < port <= 65535:
+        return f"peer_port must be an int in 1..65535, got {port!r:.80}"
+    if not _is_int(size) or size <= 0:
+        return f"size_bytes must be a positive int, got {size!r:.80}"
+    return None
+
+
+def publish_entry(
+    metadata: Mapping[str, Any], peer_host: str, peer_port: int, size_bytes: int
+) -> dict[str, Any]:
+    """The entry of a servable encoding; `LocalProtocolError` if any half is invalid."""
+    return PublishedEncoding(dict(metadata), peer_host, peer_port, size_bytes).to_entry()
+
+
+def unservable_entry() -> dict[str, Any]:
+    """The entry of an encoding the producer cannot serve: `{"metadata": {}}`."""
+    return {"metadata": {}}
+
+
+def build_ec_transfer_params(
+    encodings: Mapping[str, PublishedEncoding | None],
+) -> dict[str, dict[str, Any]]:
+    """`ec_transfer_params` from `mm_hash -> PublishedEncoding` (None: unservable)."""
+    params: dict[str, dict[str, Any]] = {}
+    for mm_hash, encoding in encodings.items():
+        if not isinstance(mm_hash, str) or not 0 < len(mm_hash) <= MAX_MM_HASH_CHARS:
+            raise LocalProtocolError(f"mm_hash must be a non-empty str, got {mm_hash!r:.80}")
+        params[mm_hash] = unservable_entry() if encoding is None else encoding.to_entry()
+    return params
+
+
+def _parse_entry(mm_hash: str, entry: object, peer: str | None) -> PublishedEncoding | None:
+    where = f"ec_transfer_params[{mm_hash!r}]"
+    if not isinstance(entry, Mapping):
+        raise RemoteProtocolError(
+            f"{where} must be an object, got {type(entry).__name__}", peer=peer
+        )
+    unknown = sorted(repr(k) for k in entry if k not in ENTRY_KEYS)
+    if unknown:
+        raise RemoteProtocolError(
+            f"{where} has unknown key(s) {', '.join(unknown)}; accepted: {', '.join(ENTRY_KEYS)}",
+            peer=peer,
+        )
+    if "metadata" not in entry:
+        raise RemoteProtocolError(f"{where} has no metadata", peer=peer)
+    metadata = entry["metadata"]
+    if not isinstance(metadata, Mapping):
+        raise RemoteProtocolError(
+            f"{where} metadata must be an object, got {type(metadata).__name__}", peer=peer
+        )
+    present = [k for k in _ADDRESS_KEYS if k in entry]
+    if not metadata:
+        if present:
+            raise RemoteProtocolError(
+                f"{where} is half-published: empty metadata with {', '.join(present)}", peer=peer
+            )
+        return None
+    missing = [k for k in _ADDRESS_KEYS if k not in entry]
+    if missing:
+        raise RemoteProtocolError(
+            f"{where} is half-published: metadata without {', '.join(missing)}", peer=peer
+        )
+    host, port, size = entry["peer_host"], entry["peer_port"], entry["size_bytes"]
+    problem = _entry_problem(metadata, host, port, size)
+    if problem is not None:
+        raise RemoteProtocolError(f"{where}: {problem}", peer=peer)
+    return PublishedEncoding(dict(metadata), host, port, size)
+
+
+def parse_ec_transfer_params(
+    obj: object, *, peer: str | None = None
+) -> dict[str, PublishedEncoding | None]:
+    """Validate received `ec_transfer_params`: `mm_hash -> PublishedEncoding`, or None
+    where the producer published the encoding as unservable.
+
+    `None` (no params) gives `{}`. Malformed input, including a half-published entry,
+    raises `RemoteProtocolError`.
+    """
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise RemoteProtocolError(
+            f"ec_transfer_params must be an object, got {type(obj).__name__}", peer=peer
+        )
+    parsed: dict[str, PublishedEncoding | None] = {}
+    for mm_hash, entry in obj.items():
+        if not isinstance(mm_hash, str) or not 0 < len(mm_hash) <= MAX_MM_HASH_CHARS:
+            raise RemoteProtocolError(
+                f"ec_transfer_params key must be an mm_hash of 1..{MAX_MM_HASH_CHARS} chars, "
+                f"got {mm_hash!r:.80}",
+                peer=peer,
+            )
+        parsed[mm_hash] = _parse_entry(mm_hash, entry, peer)
+    return parsed

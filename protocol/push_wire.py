@@ -1,0 +1,136 @@
+"""The PUSH_REG notif: D registers its pre-allocated blocks with P (R-P02).
+
+Wire form: ``b"PUSH_REG:" + msgpack(map)``, sent by D's writer with NIXL ``send_notif``.
+The map carries D's own request id, D's coordinates (so P can handshake back to D), the
+*logical* block ids D allocated, and P's coordinates as D learned them from the decode
+leg's transfer params (``remote_*``), so P can check the registration is meant for it.
+
+Member routing (R-P14) needs nothing here: the layer names backing each region travel
+once per peer in the side-channel handshake (``HandshakePayload.region_members``), not
+once per request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+import msgspec
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "DEFAULT_MAX_PUSH_REG_BLOCKS",
+    "DEFAULT_MAX_PUSH_REG_BYTES",
+    "MSGPACK_DECODE_ERRORS",
+    "PUSH_REG_PREFIX",
+    "NonEmptyStr",
+    "NonNegativeInt",
+    "Port",
+    "PositiveInt",
+    "PushRegistration",
+    "decode_push_reg",
+    "encode_push_reg",
+]
+
+PUSH_REG_PREFIX: Final = b"PUSH_REG:"
+DEFAULT_MAX_PUSH_REG_BYTES: Final = 1 << 20
+DEFAULT_MAX_PUSH_REG_BLOCKS: Final = 65536
+
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+MSGPACK_DECODE_ERRORS: Final = (
+    msgspec.MsgspecError,
+    ValueError,
+    TypeError,
+    OverflowError,
+    RecursionError,
+)
+"""What a msgspec decoder may raise on hostile bytes; decoders turn these into
+`RemoteProtocolError`."""
+
+
+class PushRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One D request's registration, as carried by a PUSH_REG notif.
+
+    ``block_ids`` are D's logical block ids; P expands them with D's
+    ``physical_blocks_per_logical`` (see `kvhandoff.protocol.blocks`). An empty tuple is
+    legal: D has nothing to receive but P still answers with a completion notif.
+    """
+
+    request_id: NonEmptyStr
+    """D's own request id; P echoes it in the completion notif."""
+    decode_engine_id: NonEmptyStr
+    decode_host: NonEmptyStr
+    decode_port: Port
+    decode_tp_size: PositiveInt
+    decode_tp_rank: NonNegativeInt
+    block_ids: tuple[NonNegativeInt, ...]
+    remote_engine_id: NonEmptyStr
+    """P's engine id, as given to D in the decode leg."""
+    remote_host: NonEmptyStr
+    remote_port: Port
+    remote_tp_size: PositiveInt
+
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_DECODER: Final = msgspec.msgpack.Decoder(PushRegistration)
+
+
+def _problem(reg: PushRegistration, max_blocks: int) -> str | None:
+    """Return what is wrong across fields of a type-valid registration, or None."""
+    if reg.decode_tp_rank >= reg.decode_tp_size:
+        return (
+            f"decode_tp_rank {reg.decode_tp_rank} is not below decode_tp_size {reg.decode_tp_size}"
+        )
+    if len(reg.block_ids) > max_blocks:
+        return f"{len(reg.block_ids)} block ids exceed the cap of {max_blocks}"
+    return None
+
+
+def encode_push_reg(reg: PushRegistration) -> bytes:
+    """Encode ``reg`` as ``PUSH_REG:<msgpack>``.
+
+    The bytes are checked with the same rules the receiver applies, so a bad local
+    registration raises `LocalProtocolError` here instead of failing on the peer.
+    """
+    try:
+        payload = _ENCODER.encode(reg)
+        _DECODER.decode(payload)
+    except MSGPACK_DECODE_ERRORS as exc:
+        raise LocalProtocolError(
+            f"cannot encode PUSH_REG for request {reg.request_id!r}: {exc}"
+        ) from exc
+    problem = _problem(reg, DEFAULT_MAX_PUSH_REG_BLOCKS)
+    if problem is not None:
+        raise LocalProtocolError(
+            f"cannot encode PUSH_REG for request {reg.request_id!r}: {problem}"
+        )
+    return PUSH_REG_PREFIX + payload
+
+
+def decode_push_reg(
+    data: bytes,
+    *,
+    peer: str | None = None,
+    max_bytes: int = DEFAULT_MAX_PUSH_REG_BYTES,
+    max_blocks: int = DEFAULT_MAX_PUSH_REG_BLOCKS,
+) -> PushRegistration:
+    """Decode a PUSH_REG notif; any bad input raises `RemoteProtocolError`."""
+    if len(data) > max_bytes:
+        raise RemoteProtocolError(
+            f"PUSH_REG notif of {len(data)} bytes exceeds the {max_bytes}-byte cap", peer=peer
+        )
+    if not data.startswith(PUSH_REG_PREFIX):
+        raise RemoteProtocolError("notif does not start with PUSH_REG:", peer=peer)
+    try:
+        reg = _DECODER.decode(memoryview(data)[len(PUSH_REG_PREFIX) :])
+    except MSGPACK_DECODE_ERRORS as exc:
+        raise RemoteProtocolError(f"malformed PUSH_REG: {exc}", peer=peer) from exc
+    problem = _problem(reg, max_blocks)
+    if problem is not None:
+        raise RemoteProtocolError(
+            f"invalid PUSH_REG for request {reg.request_id!r}: {problem}", peer=peer
+        )
+    return reg

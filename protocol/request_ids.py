@@ -1,0 +1,29 @@
+"""Request id normalisation for matching P and D legs of one request (R-P04).
+
+The proxy hands both legs the same ``X-Request-Id``, so P and D wrap it the same way
+(``cmpl-<uuid>-<index>``), but each engine appends its own random suffix of eight
+lowercase hex digits. Stripping that suffix, and nothing else, gives both sides the same
+base id while keeping the completion index, so the sub-requests of a multi-prompt
+completion stay distinct.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["RANDOM_SUFFIX_HEX_DIGITS", "get_base_request_id"]
+
+RANDOM_SUFFIX_HEX_DIGITS = 8
+"""Length of the per-engine random suffix appended to every request id."""
+
+_WITH_SUFFIX = re.compile(r"(.+)-[0-9a-f]{8}", re.DOTALL)
+
+
+def get_base_request_id(request_id: str) -> str:
+    """Return ``request_id`` without its trailing ``-<8 lowercase hex>`` suffix.
+
+    ``cmpl-<uuid>-<index>-<8hex>`` becomes ``cmpl-<uuid>-<index>``. Only one suffix is
+    stripped, only when something precedes it, and any other id is returned unchanged.
+    """
+    match = _WITH_SUFFIX.fullmatch(request_id)
+    return match.group(1) if match else request_id

@@ -1,0 +1,253 @@
+"""Model-based testing of declared machines with Hypothesis (public API).
+
+For any declaration, `machine_test_case` builds a `RuleBasedStateMachine` whose rules
+
+- fire an event legal in the current state (with a payload drawn from the strategy you
+  give for that event), expecting the declared destination or a guard's refusal;
+- fire an event the state does not declare, expecting `LocalProtocolError` and no change;
+- fire an event the state explicitly ignores, expecting no change and no error;
+- advance the virtual clock and fire due timeouts;
+
+and after every step checks the runtime's own invariants (a timer is armed exactly in
+states that declare a timeout, never in the past of an unchanged state) and yours.
+
+`TransitionCoverage` accumulates the transitions taken across all examples; its
+`assert_complete()` fails naming every declared transition that never ran.
+
+    coverage = TransitionCoverage(LEASE)
+    LeaseModel = machine_test_case(LEASE, coverage=coverage)
+    TestLease = LeaseModel.TestCase          # collected by pytest / unittest
+
+    def test_lease_coverage():               # or call run_model_test(LEASE)
+        run_state_machine_as_test(LeaseModel)
+        coverage.assert_complete()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvhandoff.machines.bus import EventBus
+from kvhandoff.machines.clock import VirtualClock
+from kvhandoff.machines.compiled import Instance
+from kvhandoff.machines.declaration import Declaration
+from kvhandoff.machines.effects import Emit
+from kvhandoff.protocol.errors import LocalProtocolError
+
+Invariant = Callable[[Instance], None]
+
+
+class TransitionCoverage:
+    """The declared transitions of one machine that model-based runs have exercised."""
+
+    def __init__(self, decl: Declaration) -> None:
+        self.decl = decl
+        self.declared = decl.edges()
+        self.seen: set[tuple[str, str, str]] = set()
+
+    def add(self, edges: Sequence[tuple[str, str, str]] | frozenset[tuple[str, str, str]]) -> None:
+        self.seen.update(edges)
+
+    def missing(self) -> list[tuple[str, str, str]]:
+        return sorted(self.declared - self.seen)
+
+    def report(self) -> str:
+        done = len(self.declared & self.seen)
+        lines = [f"{self.decl.name}: {done}/{len(self.declared)} transitions exercised"]
+        lines += [f"  never: {s} --{e}--> {d}" for s, e, d in self.missing()]
+        return "\n".join(lines)
+
+    def assert_complete(self) -> None:
+        if self.missing():
+            raise AssertionError(self.report())
+
+
+def machine_test_case(
+    decl: Declaration,
+    *,
+    config: Mapping[str, float] | None = None,
+    context: st.SearchStrategy[Mapping[str, Any]] | None = None,
+    payloads: Mapping[str, st.SearchStrategy[Any]] | None = None,
+    invariants: Sequence[Invariant] = (),
+    coverage: TransitionCoverage | None = None,
+    max_clock_step: float | None = None,
+) -> type[RuleBasedStateMachine]:
+    """A Hypothesis state machine exercising one instance of `decl` at a time.
+
+    `context` draws the fields each new instance is created with; `payloads` maps an
+    event to the strategy its payload is drawn from (default: None); `invariants` are
+    called with the live instance after every step; `coverage` collects taken edges.
+    """
+    payload_for = dict(payloads or {})
+    fields_strategy: st.SearchStrategy[Mapping[str, Any]] = (
+        context if context is not None else st.just({})
+    )
+    all_events = sorted(decl.triggers)
+
+    class MachineModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clock = VirtualClock()
+            self.bus = EventBus(self.clock)
+            self.machine = self.bus.register(decl, config)
+            self.emitted: list[Emit] = []
+            self.bus.handle(Emit, lambda _inst, effect: self.emitted.append(effect))
+            self.serial = 0
+            self.inst: Instance | None = None
+            self.step = max_clock_step or _default_step(self.machine.nodes.values())
+
+        def _live(self, data: st.DataObject) -> Instance:
+            """The instance under test; a new one once the last reached a final state."""
+            inst = self.inst
+            if inst is None or self.bus.get(decl.name, inst.key) is not inst:
+                self.serial += 1
+                fields = data.draw(fields_strategy, label="context")
+                inst = self.bus.create(decl.name, f"{decl.name}-{self.serial}", **fields)
+                self.inst = inst
+            return inst
+
+        @rule(data=st.data())
+        def fire_legal_event(self, data: st.DataObject) -> None:
+            inst = self._live(data)
+            events = sorted(inst.node.on)
+            if not events:
+                return
+            event = data.draw(st.sampled_from(events), label="event")
+            payload = data.draw(payload_for.get(event, st.none()), label="payload")
+            before = inst.node
+            try:
+                self.bus.dispatch(decl.name, inst.key, event, payload)
+            except LocalProtocolError as exc:
+                assert "no guard admits" in str(exc), str(exc)
+                assert inst.node is before, "a refused event must not change state"
+
+        @rule(data=st.data())
+        def fire_undeclared_event(self, data: st.DataObject) -> None:
+            inst = self._live(data)
+            node = inst.node
+            illegal = [e for e in all_events if e not in node.on and e not in node.ignored]
+            if not illegal:
+                return
+            event = data.draw(st.sampled_from(illegal), label="undeclared")
+            try:
+                self.bus.dispatch(decl.name, inst.key, event)
+            except LocalProtocolError as exc:
+                message = str(exc)
+                assert decl.name in message and node.name in message and event in message
+            else:
+                raise AssertionError(f"{event!r} in {node.name!r} must raise LocalProtocolError")
+            assert inst.node is node
+
+        @rule(data=st.data())
+        def fire_ignored_event(self, data: st.DataObject) -> None:
+            inst = self._live(data)
+            node = inst.node
+            if not node.ignored:
+                return
+            event = data.draw(st.sampled_from(sorted(node.ignored)), label="ignored")
+            self.bus.dispatch(decl.name, inst.key, event)
+            assert inst.node is node, "an ignored event must not change state"
+
+        @rule(fraction=st.floats(min_value=0.0, max_value=1.0))
+        def advance_clock(self, fraction: float) -> None:
+            self.clock.advance(fraction * self.step)
+            self.bus.fire_due()
+
+        @invariant()
+        def runtime_invariants(self) -> None:
+            inst = self.inst
+            if inst is None:
+                return
+            if self.bus.get(decl.name, inst.key) is not inst:
+                assert inst.node.final, "only final states leave the bus"
+                assert inst.timer is None, "a retired instance keeps no timer"
+                return
+            armed = inst.timer is not None
+            assert armed == (inst.node.timeout_seconds is not None), (
+                f"timer armed={armed} in state {inst.node.name!r}"
+            )
+            if inst.timer is not None:
+                assert inst.timer[0] >= self.clock.now, "a due timeout was not fired"
+            for check in invariants:
+                check(inst)
+
+        def teardown(self) -> None:
+            if coverage is not None:
+                coverage.add(self.machine.taken_edges())
+
+    MachineModel.__name__ = f"{_camel(decl.name)}Model"
+    MachineModel.__qualname__ = MachineModel.__name__
+    return MachineModel
+
+
+def run_model_test(
+    decl: Declaration,
+    *,
+    max_examples: int = 200,
+    require_full_coverage: bool = True,
+    **options: Any,
+) -> TransitionCoverage:
+    """Run the model-based test of `decl` and, by default, demand full transition coverage."""
+    coverage = TransitionCoverage(decl)
+    model = machine_test_case(decl, coverage=coverage, **options)
+    run_state_machine_as_test(
+        model,
+        settings=settings(max_examples=max_examples, stateful_step_count=40, deadline=None),
+    )
+    if require_full_coverage:
+        coverage.assert_complete()
+    return coverage
+
+
+def to_transitions_machine(decl: Declaration, model: Any) -> Any:
+    """A `transitions.Machine` for `model` built from the same declaration.
+
+    Guards receive `(model, payload)`; pass the payload as `payload=` to the trigger.
+    Ignored events become internal transitions. Used as a reference executor.
+    """
+    from transitions import Machine
+
+    def guard(name: str) -> Callable[[Any], bool]:
+        fn = decl.callbacks[name]
+        return lambda event_data: bool(fn(model, event_data.kwargs.get("payload")))
+
+    transitions = [
+        {
+            "trigger": t.trigger,
+            "source": t.source,
+            "dest": t.dest,
+            "conditions": [guard(n) for n in t.conditions],
+            "unless": [guard(n) for n in t.unless],
+        }
+        for t in decl.transition_decls
+    ]
+    transitions += [
+        {"trigger": event, "source": state, "dest": None} for state, event in decl.ignored_pairs
+    ]
+    return Machine(
+        model=model,
+        states=[{"name": s.name, "final": s.final} for s in decl.state_decls],
+        transitions=transitions,
+        initial=decl.initial_state,
+        auto_transitions=False,
+        send_event=True,
+    )
+
+
+def _default_step(nodes: Any) -> float:
+    timeouts = [n.timeout_seconds for n in nodes if n.timeout_seconds is not None]
+    return 1.5 * max(timeouts) if timeouts else 1.0
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.replace(".", "_").split("_"))
