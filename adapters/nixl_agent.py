@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
 from kvhandoff.adapters.nixl_loader import load_nixl
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BlockLayout",
     "BlockRegion",
+    "IndexList",
     "MemKind",
     "NixlAgent",
     "NixlTransferError",
@@ -427,6 +429,12 @@ class NixlAgent:
             raise LocalProtocolError(
                 f"{op} needs equal, non-empty index lists (got {lidx.size} and {ridx.size})"
             )
+        for side, idx in ((local, lidx), (remote, ridx)):
+            if idx.min() < 0 or idx.max() >= side.layout.num_descs:
+                raise LocalProtocolError(
+                    f"{op} index out of range 0..{side.layout.num_descs - 1} "
+                    f"for {side.agent_name or 'local'} descriptors"
+                )
         name = op.lower()
         if local.released or remote.released:
             raise NixlTransferError(name, "descriptor list released (peer removed?)")

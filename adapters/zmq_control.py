@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import zmq
-from kvhandoff.adapters.zmq_side_channel import tcp_endpoint
 from zmq.utils.monitor import recv_monitor_message
+
+from kvhandoff.adapters.zmq_side_channel import tcp_endpoint
 
 __all__ = [
     "DEFAULT_CONTROL_HOST",

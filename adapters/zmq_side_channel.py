@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 
 import zmq
+
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
 
 __all__ = [

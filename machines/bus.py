@@ -35,7 +35,8 @@ from kvhandoff.protocol.errors import LocalProtocolError
 log = logging.getLogger("kvhandoff.bus")
 
 E = TypeVar("E")
-EffectHandler = Callable[[Instance, Any], None]
+EffectHandler = Callable[[Any, Any], None]
+"""`handler(instance or None, effect)`: None when an API call, not an instance, emitted it."""
 ErrorHook = Callable[[Instance, str, BaseException], None]
 
 _MIN_COMPACT = 1024
@@ -57,7 +58,7 @@ class EventBus:
 
     def __init__(self, clock: Clock = real_clock) -> None:
         self.clock = clock
-        self.outbox: list[tuple[Instance, object]] = []
+        self.outbox: list[tuple[Instance | None, object]] = []
         self.metrics: dict[str, float] = {}
         self.on_error: ErrorHook = _log_error
         self._machines: dict[str, CompiledMachine] = {}
@@ -123,11 +124,20 @@ class EventBus:
 
     # -- effects -------------------------------------------------------------------------
 
-    def handle(self, effect_type: type[E], handler: Callable[[Instance, E], None]) -> None:
+    def handle(self, effect_type: type[E], handler: Callable[[Any, E], None]) -> None:
         """Execute effects of `effect_type` with `handler(instance, effect)`."""
         self._handlers[effect_type] = handler
 
-    def drain_outbox(self) -> list[tuple[Instance, object]]:
+    def execute(self, *effects: object) -> None:
+        """Execute effects that no instance emitted (an API call's own, e.g. a wake-up)."""
+        for effect in effects:
+            handler = self._handlers.get(type(effect))
+            if handler is None:
+                self.outbox.append((None, effect))
+            else:
+                handler(None, effect)
+
+    def drain_outbox(self) -> list[tuple[Instance | None, object]]:
         """Effects no handler was registered for, in emission order."""
         out, self.outbox = self.outbox, []
         return out
@@ -150,11 +160,13 @@ class EventBus:
         # The plain route: no guard, no action, not into a final state. Kept flat on
         # purpose; `_step` is the general form of the same change.
         route.count += 1
+        dest: Node = route.dest  # type: ignore[assignment]  # plain routes have a dest
+        inst.node = dest
+        if route.keeps_timer:
+            return
         timer = inst.timer
         if timer is not None:
             timer[2] = None
-        dest: Node = route.dest  # type: ignore[assignment]  # plain routes have a dest
-        inst.node = dest
         seconds = dest.timeout_seconds
         if seconds is None:
             inst.timer = None
@@ -186,12 +198,12 @@ class EventBus:
         route.count += 1
         dest = route.dest
         if dest is not None:
-            timer = inst.timer
-            if timer is not None:
-                self._cancel(inst, timer)
             inst.node = dest
-            if dest.timeout_seconds is not None:
-                self._arm(inst, dest.timeout_seconds)
+            if not route.keeps_timer:
+                if inst.timer is not None:
+                    self._cancel(inst, inst.timer)
+                if dest.timeout_seconds is not None:
+                    self._arm(inst, dest.timeout_seconds)
         action = route.action
         effects = None
         if action is not None:

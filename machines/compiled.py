@@ -13,20 +13,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvhandoff.machines.declaration import Action, Declaration, Guard, TransitionDecl
+from kvhandoff.machines.declaration import Action, Declaration, Guard, Timeout, TransitionDecl
 from kvhandoff.protocol.errors import LocalProtocolError
 
 
 class Node:
     """A compiled state: its outgoing routes, ignored events and timeout."""
 
-    __slots__ = ("final", "ignored", "name", "on", "timeout_seconds", "timeout_trigger")
+    __slots__ = ("final", "ignored", "name", "on", "timeout", "timeout_seconds", "timeout_trigger")
 
     def __init__(self, name: str, final: bool) -> None:
         self.name = name
         self.final = final
         self.on: dict[str, Route] = {}
         self.ignored: frozenset[str] = frozenset()
+        self.timeout: Timeout | None = None
         self.timeout_seconds: float | None = None
         self.timeout_trigger: str | None = None
 
@@ -41,7 +42,16 @@ class Route:
     has guarded options; then `dest`/`action` describe nothing and `choose` decides.
     """
 
-    __slots__ = ("action", "alternatives", "count", "dest", "edge", "plain", "source")
+    __slots__ = (
+        "action",
+        "alternatives",
+        "count",
+        "dest",
+        "edge",
+        "keeps_timer",
+        "plain",
+        "source",
+    )
 
     def __init__(
         self,
@@ -58,6 +68,11 @@ class Route:
         self.alternatives: tuple[tuple[tuple[Guard, ...], tuple[Guard, ...], Route], ...] = ()
         # A plain route changes state and timers only: the bus runs it on its fast path.
         self.plain = False
+        # Between two states declaring an equal timeout, the armed deadline carries over
+        # (one watchdog or lease spanning several states).
+        self.keeps_timer = (
+            dest is not None and source.timeout is not None and source.timeout == dest.timeout
+        )
 
     def choose(self, instance: Instance, payload: Any) -> Route | None:
         """The first guarded alternative whose conditions hold and `unless` guards do not."""
@@ -113,6 +128,7 @@ class CompiledMachine:
             node = self.nodes[state.name]
             node.ignored = decl.ignored_events(state.name)
             if state.timeout is not None:
+                node.timeout = state.timeout
                 node.timeout_seconds = decl.timeout_seconds(state.timeout, self.config)
                 node.timeout_trigger = state.timeout.trigger
         self.routes: list[Route] = []

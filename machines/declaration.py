@@ -42,12 +42,14 @@ class Timeout:
     """A timeout armed on entry to a state and cancelled on exit.
 
     `after` is a number of seconds or the name of a config key; when it elapses the
-    runtime delivers `trigger` to the instance, which takes it to `dest`.
+    runtime delivers `trigger` to the instance, which takes it to `dest` and runs the
+    callback named by `action`, if any.
     """
 
     after: float | str
     dest: str
     trigger: str = "timeout"
+    action: str | None = None
 
     def label(self) -> str:
         after = self.after if isinstance(self.after, str) else f"{self.after:g}s"
@@ -234,7 +236,11 @@ def _expand_transitions(decl: Declaration, known: frozenset[str]) -> Iterable[Tr
                     f"timeout of state {state.name!r} names unknown dest {state.timeout.dest!r}",
                 )
             yield TransitionDecl(
-                state.timeout.trigger, state.name, state.timeout.dest, from_timeout=True
+                state.timeout.trigger,
+                state.name,
+                state.timeout.dest,
+                after=state.timeout.action,
+                from_timeout=True,
             )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
 import msgspec
+
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.push_wire import (
     MSGPACK_DECODE_ERRORS,

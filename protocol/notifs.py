@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Annotated, Final, TypeAlias
 
 import msgspec
+
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.push_wire import (
     MSGPACK_DECODE_ERRORS,

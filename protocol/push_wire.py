@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Final
 
 import msgspec
+
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [

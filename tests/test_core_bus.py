@@ -214,3 +214,34 @@ def test_core_heap_compaction_keeps_live_timers() -> None:
     clock.advance(6.0)
     assert bus.fire_due() == len(live)
     assert all(inst.state == "expired" for inst in live)
+
+
+def test_core_equal_timeout_spans_states() -> None:
+    """A transition between states declaring an equal Timeout keeps the armed deadline."""
+    from kvhandoff.machines.declaration import Declaration, Timeout
+
+    watchdog = Timeout("ttl", "expired", "watchdog")
+    decl = Declaration(
+        name="t.span",
+        states=[
+            {"name": "a", "timeout": watchdog},
+            {"name": "b", "timeout": watchdog},
+            {"name": "c", "timeout": Timeout(100.0, "expired", "other")},
+            {"name": "expired", "final": True},
+        ],
+        initial="a",
+        transitions=[
+            {"trigger": "next", "source": "a", "dest": "b"},
+            {"trigger": "next", "source": "b", "dest": "c"},
+        ],
+        config_defaults={"ttl": 10.0},
+    )
+    clock = VirtualClock()
+    bus = EventBus(clock)
+    bus.register(decl)
+    bus.create("t.span", 1)
+    clock.advance(6.0)
+    bus.dispatch("t.span", 1, "next")
+    assert bus.deadline_of("t.span", 1) == 10.0, "the watchdog is not re-armed"
+    bus.dispatch("t.span", 1, "next")
+    assert bus.deadline_of("t.span", 1) == 106.0, "a different timeout is armed afresh"

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvhandoff.protocol.blocks import check_within_capacity, expand_to_physical
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (

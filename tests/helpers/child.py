@@ -7,6 +7,7 @@ instead of hanging it. Loaded by the tests from its path (the folder is not a pa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -83,10 +84,8 @@ class Child:
     def close(self, timeout_s: float = 20.0) -> int:
         """Close stdin, wait for exit (SIGKILL after `timeout_s`), return the exit code."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
+            with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

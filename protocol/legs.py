@@ -1,0 +1,62 @@
+"""R-P01: the two legs a disaggregating proxy sends for one client request.
+
+The prefill leg goes to P with `do_remote_decode=True` and `max_tokens=1`; the decode leg
+goes to D with `do_remote_prefill=True` and P's coordinates, which D's registration names
+as `remote_*`. Both legs carry the same client request id (the proxy's X-Request-Id), so
+P's and D's engine ids differ only by their random suffix (see `request_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvhandoff.protocol.errors import RemoteProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCoordinates:
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+def prefill_leg(request: dict[str, Any]) -> dict[str, Any]:
+    """The request P receives: generate one token, keep the KV for a remote decoder."""
+    leg = dict(request)
+    leg["max_tokens"] = 1
+    leg["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    return leg
+
+
+def decode_leg(request: dict[str, Any], prefill: PrefillCoordinates) -> dict[str, Any]:
+    """The request D receives: its KV arrives from P, whose coordinates it carries."""
+    leg = dict(request)
+    leg["kv_transfer_params"] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": prefill.host,
+        "remote_port": prefill.port,
+        "remote_tp_size": prefill.tp_size,
+    }
+    return leg
+
+
+def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
+    """P's coordinates from a decode leg's kv_transfer_params (which came over the wire)."""
+    if not params or params.get("do_remote_prefill") is not True:
+        raise RemoteProtocolError("decode leg lacks do_remote_prefill=True")
+    try:
+        coords = PrefillCoordinates(
+            engine_id=str(params["remote_engine_id"]),
+            host=str(params["remote_host"]),
+            port=int(params["remote_port"]),
+            tp_size=int(params["remote_tp_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"decode leg has malformed prefill coordinates: {exc}") from None
+    if not coords.engine_id or not coords.host or not 0 < coords.port < 65536 or coords.tp_size < 1:
+        raise RemoteProtocolError(f"decode leg has invalid prefill coordinates {coords}")
+    return coords
