@@ -505,7 +505,8 @@ class NixlAgent:
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """Notifications that arrived since the last call, as `(sender, message)` pairs.
 
-        Messages from one sender keep their arrival order.
+        Messages are in arrival order, which is not the posting order: the notifs of
+        concurrent transfers from one peer can arrive in any order.
         """
         agent = self._live()
         try:

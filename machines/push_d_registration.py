@@ -100,7 +100,7 @@ D_REGISTRATION = Declaration(
         {"name": "queued", "timeout": WATCHDOG},
         {"name": "awaiting_handshake", "timeout": WATCHDOG},
         {"name": "sent", "timeout": WATCHDOG},
-        {"name": "reported", "timeout": WATCHDOG},
+        {"name": "reported"},
         {"name": "received", "final": True},
         {"name": "expired", "final": True},
         {"name": "failed", "final": True},

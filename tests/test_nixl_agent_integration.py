@@ -264,14 +264,15 @@ def test_R_P15_write_blocks_by_index_with_notif(pair_p_writes: Pair) -> None:
 
 
 @pytest.mark.integration
-def test_R_P15_several_writes_each_notify_in_order(pair_p_writes: Pair) -> None:
+def test_R_P15_concurrent_writes_each_notify_once(pair_p_writes: Pair) -> None:
     pair = pair_p_writes
     ids = pair.local_blocks.layout.indices_for_blocks([0, 5])
     handles = [_write(pair, ids, ids, f"req-{n}:1".encode()) for n in range(3)]
     assert [wait_done(pair.agent, h) for h in handles] == ["DONE"] * 3
     for handle in handles:
         pair.agent.release(handle)
-    assert pair.notifs(3) == [["P", f"req-{n}:1"] for n in range(3)]
+    # NIXL does not keep the posting order of notifs across concurrent transfers.
+    assert sorted(pair.notifs(3)) == [["P", f"req-{n}:1"] for n in range(3)]
     assert pair.check(7, [(int(i) * BLOCK, int(i) * BLOCK) for i in ids]) == "OK"
 
 
