@@ -32,7 +32,7 @@ def test_R_P02_R_P10_d_registration_model() -> None:
         context=st.fixed_dictionaries(
             {"registration": st.just(REG), "completions_needed": st.integers(1, 2)}
         ),
-        max_examples=200,
+        max_examples=400,
     )
 
 
