@@ -7,10 +7,25 @@ make sure no declared machine goes untested.
 from __future__ import annotations
 
 from kvhandoff.machines.declaration import Declaration
+from kvhandoff.machines.ec_cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec_consumer_read import EC_CONSUMER_READ
+from kvhandoff.machines.ec_copy_batch import EC_COPY_BATCH
+from kvhandoff.machines.ec_producer_grant import EC_PRODUCER_GRANT
+from kvhandoff.machines.ec_request import EC_REQUEST
+from kvhandoff.machines.ec_worker_region import EC_WORKER_REGION
 from kvhandoff.machines.push_d_registration import D_REGISTRATION
 from kvhandoff.machines.push_handshake import HANDSHAKE
 from kvhandoff.machines.push_p_lease import P_LEASE
 
 PUSH_DECLARATIONS: tuple[Declaration, ...] = (D_REGISTRATION, P_LEASE, HANDSHAKE)
 
-DECLARATIONS: tuple[Declaration, ...] = PUSH_DECLARATIONS
+EC_DECLARATIONS: tuple[Declaration, ...] = (
+    EC_CACHE_ENTRY,
+    EC_COPY_BATCH,
+    EC_CONSUMER_READ,
+    EC_PRODUCER_GRANT,
+    EC_REQUEST,
+    EC_WORKER_REGION,
+)
+
+DECLARATIONS: tuple[Declaration, ...] = PUSH_DECLARATIONS + EC_DECLARATIONS

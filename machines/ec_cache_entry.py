@@ -34,8 +34,8 @@ from typing import Any
 from kvhandoff.machines.declaration import Declaration
 
 __all__ = [
-    "ENTRY_KIND",
     "EC_CACHE_ENTRY",
+    "ENTRY_KIND",
     "EncodingEvicted",
     "EntryCtx",
     "MarkEvictable",

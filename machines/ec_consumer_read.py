@@ -36,9 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvhandoff.machines.declaration import Declaration, Timeout
 from kvhandoff.machines.ec_cache_entry import ENTRY_KIND
-from kvhandoff.machines.ec_declaration import ActionDeclaration
-from kvhandoff.machines.declaration import Timeout
 from kvhandoff.machines.effects import Emit, Metric
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
@@ -251,7 +250,7 @@ def _release(inst: Any, payload: Any) -> list[object]:
     return [Emit(ENTRY_KIND, inst.key, "discard")]
 
 
-EC_CONSUMER_READ = ActionDeclaration(
+EC_CONSUMER_READ = Declaration(
     name=CONSUMER_READ_KIND,
     description=(
         "Consumer pull of one encoding (R-E07, R-E08, R-E12, B-04): XferReq, then NIXL "
@@ -263,16 +262,22 @@ EC_CONSUMER_READ = ActionDeclaration(
         "needed",
         {
             "name": "xfer_req_sent",
-            "timeout": Timeout("consumer_ack_timeout_s", "fallback_local", "ack_timeout"),
+            "timeout": Timeout(
+                "consumer_ack_timeout_s", "fallback_local", "ack_timeout", action="ack_timed_out"
+            ),
         },
         "retry_next_step",
         {
             "name": "reading",
-            "timeout": Timeout("nixl_read_timeout_s", "quarantined", "read_timeout"),
+            "timeout": Timeout(
+                "nixl_read_timeout_s", "quarantined", "read_timeout", action="read_timed_out"
+            ),
         },
         {
             "name": "quarantined",
-            "timeout": Timeout("read_quarantine_s", "released", "quarantine_over"),
+            "timeout": Timeout(
+                "read_quarantine_s", "released", "quarantine_over", action="release"
+            ),
         },
         {"name": "done", "final": True},
         {"name": "fallback_local", "final": True},
@@ -280,8 +285,12 @@ EC_CONSUMER_READ = ActionDeclaration(
     ],
     initial="needed",
     transitions=[
-        {"trigger": "send", "source": ["needed", "retry_next_step"], "dest": "xfer_req_sent",
-         "after": "send"},
+        {
+            "trigger": "send",
+            "source": ["needed", "retry_next_step"],
+            "dest": "xfer_req_sent",
+            "after": "send",
+        },
         {
             "trigger": "ack",
             "source": "xfer_req_sent",
@@ -322,11 +331,6 @@ EC_CONSUMER_READ = ActionDeclaration(
         ("quarantined", "read_failed"),
         ("quarantined", "peer_disconnected"),
     ],
-    on_timeout={
-        "xfer_req_sent": "ack_timed_out",
-        "reading": "read_timed_out",
-        "quarantined": "release",
-    },
     callbacks={
         "granted": _granted,
         "may_retry": _may_retry,

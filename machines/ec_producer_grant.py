@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvhandoff.machines.declaration import Timeout
+from kvhandoff.machines.declaration import Declaration, Timeout
 from kvhandoff.machines.ec_cache_entry import ENTRY_KIND
-from kvhandoff.machines.ec_declaration import ActionDeclaration
 from kvhandoff.machines.effects import Emit, Metric
 from kvhandoff.protocol.ec_config import DEFAULT_PIN_LEASE_S
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
@@ -137,7 +136,11 @@ def _grant(inst: Any, check: GrantCheck) -> list[object]:
         region_base_addr=ctx.region_base_addr,
         lease_s=inst.machine.config["pin_lease_s"],
     )
-    return [Emit(ENTRY_KIND, ctx.mm_hash, "pin"), SendXferAck(ctx.peer, ack), Metric("ec.producer.OK")]
+    return [
+        Emit(ENTRY_KIND, ctx.mm_hash, "pin"),
+        SendXferAck(ctx.peer, ack),
+        Metric("ec.producer.OK"),
+    ]
 
 
 def _consumed(inst: Any, ok: bool | None) -> list[object]:
@@ -156,7 +159,7 @@ _REFUSALS = (
     ("no_agent", "refused_internal", "nack_internal"),
 )
 
-EC_PRODUCER_GRANT = ActionDeclaration(
+EC_PRODUCER_GRANT = Declaration(
     name=GRANT_KIND,
     description=(
         "Producer answer to one XferReq (R-E09, R-E10, R-E12): version, then "
@@ -165,7 +168,10 @@ EC_PRODUCER_GRANT = ActionDeclaration(
     ),
     states=[
         "received",
-        {"name": "granted", "timeout": Timeout("pin_lease_s", "expired", "lease_expired")},
+        {
+            "name": "granted",
+            "timeout": Timeout("pin_lease_s", "expired", "lease_expired", action="unpin_expired"),
+        },
         *({"name": dest, "final": True} for _, dest, _ in _REFUSALS),
         {"name": "released", "final": True},
         {"name": "expired", "final": True},
@@ -173,15 +179,19 @@ EC_PRODUCER_GRANT = ActionDeclaration(
     initial="received",
     transitions=[
         *(
-            {"trigger": "check", "source": "received", "dest": dest, "conditions": guard,
-             "after": action}
+            {
+                "trigger": "check",
+                "source": "received",
+                "dest": dest,
+                "conditions": guard,
+                "after": action,
+            }
             for guard, dest, action in _REFUSALS
         ),
         {"trigger": "check", "source": "received", "dest": "granted", "after": "grant"},
         {"trigger": "xfer_done", "source": "granted", "dest": "released", "after": "consumed"},
     ],
     ignore=[("granted", "peer_disconnected")],
-    on_timeout={"granted": "unpin_expired"},
     callbacks={
         "wrong_version": _wrong_version,
         "incompatible": _incompatible,

@@ -78,8 +78,11 @@ def _fail(inst: Any, reason: str) -> list[object]:
 
 def _lost_after_fallback(inst: Any, payload: tuple[str, str]) -> list[object]:
     mm_hash, reason = payload
-    return _fail(inst, f"encoding {mm_hash} was announced but is lost ({reason}) and its media "
-                       "was rewritten to a metadata-only reference")
+    return _fail(
+        inst,
+        f"encoding {mm_hash} was announced but is lost ({reason}) and its media "
+        "was rewritten to a metadata-only reference",
+    )
 
 
 def _load_lost(inst: Any, payload: str) -> list[object]:

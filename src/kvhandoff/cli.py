@@ -43,6 +43,40 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.role in ("prefill", "decode"):
+        from kvhandoff.demo.push_role import main_from_args
+
+        return main_from_args(args)
+    raise SystemExit(f"role {args.role!r} is not available yet")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    results: dict[str, object] = {}
+    ok = True
+    line = []
+    if args.what in ("push", "all"):
+        from kvhandoff.demo.push_demo import run_push_demo
+
+        push = run_push_demo(args.requests, args.seed, args.backend)
+        for failure in push["failures"]:
+            print(f"push failure: {failure}", file=sys.stderr)
+        ok &= push["verified"] == args.requests
+        if not args.json:
+            print(
+                f"push: {push['verified']}/{args.requests} verified, "
+                f"P finish -> D receive p50 {push['p50_ms']} ms, p99 {push['p99_ms']} ms, "
+                f"{push['gbps']} GB/s"
+            )
+        results["push"] = {k: push[k] for k in ("requests", "verified", "p50_ms", "p99_ms", "gbps")}
+        line.append(f"push {push['verified']}/{args.requests} verified")
+    if args.json:
+        print(json.dumps(results))
+    elif ok:
+        print("demo ok: " + ", ".join(line))
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
     bench.set_defaults(func=_cmd_bench)
+
+    demo = sub.add_parser("demo", help="the main job: real processes over NIXL and ZMQ")
+    demo.add_argument("what", nargs="?", default="all", choices=["push", "ec", "all"])
+    demo.add_argument("--requests", type=int, default=32)
+    demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument("--backend", default="UCX", help="NIXL backend (B-03)")
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(func=_cmd_demo)
+
+    run = sub.add_parser("run", help="run one role alone (P and D may be on different hosts)")
+    run.add_argument("role", choices=["prefill", "decode", "producer", "consumer"])
+    run.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of this side channel")
+    run.add_argument("--peer", default=None, help="HOST:PORT of the peer's side channel")
+    run.add_argument("--engine-id", default=None)
+    run.add_argument("--peer-engine-id", default="prefill-0")
+    run.add_argument("--requests", type=int, default=32)
+    run.add_argument("--seed", type=int, default=7)
+    run.add_argument("--backend", default="UCX", help="NIXL backend (B-03)")
+    run.add_argument("--deadline", type=float, default=60.0, help="seconds before giving up")
+    run.add_argument("--per-step", type=int, default=4, help="requests started per engine step")
+    run.add_argument("--wait-go", action="store_true", help="start after a line on stdin")
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

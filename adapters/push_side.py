@@ -1,0 +1,312 @@
+"""One side (P or D) of push mode, assembled: machines, inboxes, and effect executors.
+
+`PushSide` wires the sans-IO pieces to a `PushTransport`:
+
+- the main-thread bus with the scheduler and worker API (`scheduler`, `worker`);
+- the writer core (`writer`) on a bus of its own;
+- the seed's cross-thread hand-offs: `reg_send_inbox`, `finished_blocks_inbox`,
+  `deferred_push_inbox`, `evict_finished_inbox`, `handshake_results` (the executor's
+  callbacks) and `pending_completion_notifs` (writer -> main), plus the `wake` event;
+- the executors of every effect the machines return.
+
+It owns no thread: `writer_pass()` is one pass of the writer loop, called by the real
+writer thread (`push_writer_thread`) or by a deterministic simulator; handshakes go to an
+injected `submit_handshake`, a thread pool in production and a scheduler in simulation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvhandoff.adapters.push_transport import PushTransport, TransferHandle
+from kvhandoff.machines.bus import EventBus
+from kvhandoff.machines.clock import Clock, real_clock
+from kvhandoff.machines.push_effects import (
+    ArmSelfPoll,
+    DisarmSelfPoll,
+    DropRemoteAgent,
+    EnqueueFinishedBlocks,
+    EnqueueRegistration,
+    ForwardToMain,
+    IssueWrite,
+    PollTransfer,
+    QueueEviction,
+    ReplayPush,
+    ReplayRegistration,
+    ReportToMain,
+    SendHeartbeat,
+    SendPushReg,
+    StartHandshake,
+    WakeWriter,
+)
+from kvhandoff.machines.push_p_lease import KIND as P_KIND
+from kvhandoff.machines.push_scheduler import (
+    LocalEngine,
+    PushConnectorOutput,
+    PushScheduler,
+    Role,
+    register_push_machines,
+)
+from kvhandoff.machines.push_worker import PushWorker, WriterItem
+from kvhandoff.machines.push_writer import PushWriter
+from kvhandoff.protocol.blocks import check_within_capacity, expand_to_physical
+from kvhandoff.protocol.errors import KvHandoffError
+from kvhandoff.protocol.handshake import decode_handshake
+from kvhandoff.protocol.notifs import encode_completion_notif, encode_heartbeat, encode_write_failed
+from kvhandoff.protocol.push_config import PushConfig
+from kvhandoff.protocol.push_wire import encode_push_reg
+
+log = logging.getLogger("kvhandoff.push.side")
+
+HandshakeJob = Callable[[], None]
+HandshakeResult = tuple[str, bool, str]
+
+
+class PushSide:
+    def __init__(
+        self,
+        role: Role,
+        engine: LocalEngine,
+        transport: PushTransport,
+        submit_handshake: Callable[[HandshakeJob], None],
+        *,
+        config: PushConfig | None = None,
+        clock: Clock = real_clock,
+        physical_blocks_per_logical: int = 1,
+    ) -> None:
+        self.role = role
+        self.engine = engine
+        self.transport = transport
+        self.config = config or PushConfig()
+        self.physical_blocks_per_logical = physical_blocks_per_logical
+        self._submit_handshake = submit_handshake
+        # Main thread.
+        self.bus = EventBus(clock)
+        register_push_machines(self.bus, self.config)
+        self.scheduler = PushScheduler(self.bus, role, engine, self.config)
+        self.worker = PushWorker(self.bus, role, engine, self.config)
+        self._sending_transfers: dict[str, TransferHandle] = {}
+        # Writer thread.
+        self.writer_bus = EventBus(clock)
+        self.writer = PushWriter(
+            role,
+            self.writer_bus,
+            poll_interval_s=self.config.push_writer_poll_interval_ms / 1000.0,
+            handshake_timeout=self.config.handshake_timeout,
+            pending_registration_ttl=self.config.registration_timeout,
+        )
+        self.self_poll_interval_s: float | None = None
+        # Hand-offs (deque append/popleft are atomic: one producer side, one consumer).
+        self.reg_send_inbox: deque[ReplayRegistration] = deque()
+        self.finished_blocks_inbox: deque[tuple[str, tuple[int, ...]]] = deque()
+        self.deferred_push_inbox: deque[ReplayPush] = deque()
+        self.evict_finished_inbox: deque[str] = deque()
+        self.handshake_results: deque[HandshakeResult] = deque()
+        self.pending_completion_notifs: deque[WriterItem] = deque()
+        self._posted_transfers: deque[tuple[str, TransferHandle]] = deque()
+        self.wake = threading.Event()
+        self.failed_transfers = 0
+        self._register_main_handlers()
+
+    # -- engine step (main thread) -------------------------------------------------------
+
+    def get_finished(self) -> PushConnectorOutput:
+        """The worker's get_finished, fed with what the writer left for the main thread."""
+        items: list[WriterItem] = []
+        while self.pending_completion_notifs:
+            items.append(self.pending_completion_notifs.popleft())
+        self._adopt_posted_transfers()
+        return self.worker.get_finished(items)
+
+    def _register_main_handlers(self) -> None:
+        bus = self.bus
+        bus.handle(EnqueueRegistration, lambda _i, e: self._to_writer_reg(e))
+        bus.handle(
+            EnqueueFinishedBlocks,
+            lambda _i, e: self.finished_blocks_inbox.append((e.request_id, e.block_ids)),
+        )
+        bus.handle(QueueEviction, lambda _i, e: self.evict_finished_inbox.append(e.request_id))
+        bus.handle(WakeWriter, lambda _i, _e: self.wake.set())
+        bus.handle(PollTransfer, self._poll_transfer)
+        bus.handle(SendHeartbeat, self._send_heartbeat)
+
+    def _to_writer_reg(self, effect: EnqueueRegistration) -> None:
+        self.reg_send_inbox.append(ReplayRegistration(effect.request_id, effect.registration))
+
+    def _adopt_posted_transfers(self) -> None:
+        while self._posted_transfers:
+            request_id, handle = self._posted_transfers.popleft()
+            self._sending_transfers[request_id] = handle
+
+    def _poll_transfer(self, _inst: Any, effect: PollTransfer) -> None:
+        self._adopt_posted_transfers()
+        handle = self._sending_transfers.get(effect.request_id)
+        if handle is None:
+            return
+        state = self.transport.poll(handle)
+        if state == "PROC":
+            return
+        del self._sending_transfers[effect.request_id]
+        self._release(handle)
+        if state == "ERR":
+            self.failed_transfers += 1
+        self.bus.dispatch(
+            P_KIND, effect.request_id, "write_done" if state == "DONE" else "write_error"
+        )
+
+    def _release(self, handle: TransferHandle) -> None:
+        try:
+            self.transport.release(handle)
+        except KvHandoffError as exc:
+            log.warning("releasing a transfer handle failed: %s", exc)
+
+    def _send_heartbeat(self, _inst: Any, effect: SendHeartbeat) -> None:
+        try:
+            self.transport.send_notif(effect.engine_id, encode_heartbeat(effect.request_ids))
+        except KvHandoffError as exc:
+            log.warning("heartbeat to %s failed: %s", effect.engine_id, exc)
+
+    # -- writer loop (writer thread) ------------------------------------------------------
+
+    def writer_pass(self) -> int:
+        """Drain every inbox and the transport's notifs once; execute the effects.
+
+        Returns how many items were handled, so a caller can tell idle from busy.
+        """
+        writer = self.writer
+        handled = 0
+        while self.handshake_results:
+            engine_id, ok, _detail = self.handshake_results.popleft()
+            writer.on_handshake_result(engine_id, ok)
+            handled += 1
+        while self.evict_finished_inbox:
+            writer.on_evict(self.evict_finished_inbox.popleft())
+            handled += 1
+        while self.reg_send_inbox:
+            op = self.reg_send_inbox.popleft()
+            writer.on_reg_send(op.request_id, op.registration)
+            handled += 1
+        while self.finished_blocks_inbox:
+            writer.on_finished_blocks(*self.finished_blocks_inbox.popleft())
+            handled += 1
+        while self.deferred_push_inbox:
+            writer.on_deferred_push(self.deferred_push_inbox.popleft())
+            handled += 1
+        try:
+            notifs = self.transport.get_new_notifs()
+        except KvHandoffError as exc:
+            log.warning("get_new_notifs failed: %s", exc)
+            notifs = []
+        for peer, message in notifs:
+            writer.on_notif(peer, message)
+            handled += 1
+        writer.expire_pending()
+        self.writer_bus.fire_due()
+        for effect in writer.take_effects():
+            self._execute_writer_effect(effect)
+        return handled
+
+    def _execute_writer_effect(self, effect: object) -> None:
+        if isinstance(effect, ReportToMain | ForwardToMain):
+            self.pending_completion_notifs.append(effect)
+        elif isinstance(effect, SendPushReg):
+            self._send_push_reg(effect)
+        elif isinstance(effect, IssueWrite):
+            self._issue_write(effect)
+        elif isinstance(effect, ReplayRegistration):
+            self.reg_send_inbox.append(effect)
+            self.wake.set()
+        elif isinstance(effect, ReplayPush):
+            self.deferred_push_inbox.append(effect)
+            self.wake.set()
+        elif isinstance(effect, StartHandshake):
+            self._start_handshake(effect)
+        elif isinstance(effect, DropRemoteAgent):
+            self.transport.forget(effect.engine_id)
+        elif isinstance(effect, ArmSelfPoll):
+            self.self_poll_interval_s = effect.interval_s
+        elif isinstance(effect, DisarmSelfPoll):
+            self.self_poll_interval_s = None
+        else:
+            raise TypeError(f"no executor for writer effect {effect!r}")
+
+    def _send_push_reg(self, effect: SendPushReg) -> None:
+        reg = effect.registration
+        try:
+            self.transport.send_notif(reg.remote_engine_id, encode_push_reg(reg))
+        except KvHandoffError as exc:
+            log.warning(
+                "PUSH_REG %s to %s failed: %s", effect.request_id, reg.remote_engine_id, exc
+            )
+            self.pending_completion_notifs.append(ReportToMain(effect.request_id, "send_failed"))
+        else:
+            self.pending_completion_notifs.append(ReportToMain(effect.request_id, "reg_sent"))
+
+    def _issue_write(self, effect: IssueWrite) -> None:
+        """R-P06: expand D's logical ids, WRITE into D's memory, completion notif to D."""
+        reg = effect.registration
+        peer = self.transport.peer(reg.decode_engine_id)
+        try:
+            if peer is None:
+                raise KvHandoffError(f"no connected agent for {reg.decode_engine_id}")
+            remote = expand_to_physical(reg.block_ids, peer.physical_blocks_per_logical)
+            check_within_capacity(reg.request_id, remote, peer.capacity, engine_id=peer.engine_id)
+            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
+            if len(local) != len(remote):
+                raise KvHandoffError(
+                    f"P holds {len(local)} physical blocks for {effect.request_id}, "
+                    f"D registered {len(remote)}"
+                )
+            notif = encode_completion_notif(reg.request_id, self.engine.tp_size)
+            handle = self.transport.write_blocks(reg.decode_engine_id, local, remote, notif)
+        except KvHandoffError as exc:
+            self._write_submit_failed(effect, exc)
+            return
+        self._posted_transfers.append((effect.request_id, handle))
+        self.pending_completion_notifs.append(ReportToMain(effect.request_id, "write_posted"))
+
+    def _write_submit_failed(self, effect: IssueWrite, exc: KvHandoffError) -> None:
+        """R-P12: count it, no failed-recv entry here; B-06: tell D so it fails at once."""
+        reg = effect.registration
+        self.failed_transfers += 1
+        log.warning("WRITE for %s failed to post: %s", effect.request_id, exc)
+        try:
+            self.transport.send_notif(
+                reg.decode_engine_id, encode_write_failed(reg.request_id, str(exc))
+            )
+        except KvHandoffError as notif_exc:
+            log.warning("WRITE-failed notif to %s lost: %s", reg.decode_engine_id, notif_exc)
+        self.pending_completion_notifs.append(
+            ReportToMain(effect.request_id, "write_submit_failed")
+        )
+
+    def _start_handshake(self, effect: StartHandshake) -> None:
+        """R-P05: run on the executor; the callback only posts the result and wakes."""
+        transport = self.transport
+        results = self.handshake_results
+        wake = self.wake
+        timeout = self.config.handshake_timeout
+
+        def job() -> None:
+            endpoint = f"{effect.host}:{effect.port}"
+            try:
+                payload = decode_handshake(
+                    transport.fetch_handshake(effect.host, effect.port, timeout), peer=endpoint
+                )
+                if payload.engine_id != effect.engine_id:
+                    raise KvHandoffError(
+                        f"{endpoint} is engine {payload.engine_id!r}, not {effect.engine_id!r}"
+                    )
+                transport.connect(payload)
+            except Exception as exc:  # any failure fails the handshake, never the thread
+                log.warning("handshake with %s at %s failed: %s", effect.engine_id, endpoint, exc)
+                results.append((effect.engine_id, False, str(exc)))
+            else:
+                results.append((effect.engine_id, True, ""))
+            wake.set()
+
+        self._submit_handshake(job)

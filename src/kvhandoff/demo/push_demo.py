@@ -1,0 +1,75 @@
+"""`kvhandoff demo push`: P and D as two processes, every request pushed and verified."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kvhandoff.demo.launcher import collect, go, start_role, wait_ready
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def run_push_demo(
+    requests: int, seed: int, backend: str = "UCX", timeout_s: float = 60.0
+) -> dict[str, Any]:
+    common = ["--requests", str(requests), "--seed", str(seed), "--backend", backend, "--wait-go"]
+    prefill = start_role("prefill", ["run", "prefill", "--listen", "127.0.0.1:0", *common])
+    ready = wait_ready(prefill, 30.0)
+    decode = start_role(
+        "decode",
+        [
+            "run",
+            "decode",
+            "--listen",
+            "127.0.0.1:0",
+            "--peer",
+            f"127.0.0.1:{ready['port']}",
+            "--peer-engine-id",
+            ready["engine_id"],
+            *common,
+        ],
+    )
+    wait_ready(decode, 30.0)
+    go([prefill, decode])
+    finished: dict[str, tuple[float, int]] = {}
+    received: dict[str, float] = {}
+    verified = 0
+    failures: list[str] = []
+    summaries: dict[str, dict[str, Any]] = {}
+
+    def on_event(role: str, event: dict[str, Any]) -> None:
+        nonlocal verified
+        kind = event["event"]
+        if kind == "finished":
+            finished[event["client"]] = (event["t"], event["bytes"])
+        elif kind == "received":
+            received[event["client"]] = event["t"]
+            verified += bool(event["verified"])
+            if not event["verified"]:
+                failures.append(f"{event['client']}: bytes differ")
+            if len(received) % max(1, requests // 4) == 0 or len(received) == requests:
+                print(f"push: {len(received)}/{requests} received", file=sys.stderr, flush=True)
+        elif kind == "failed":
+            failures.append(f"{event['client']}: {event['reason']}")
+        elif kind == "summary":
+            summaries[role] = event
+
+    collect([prefill, decode], timeout_s, on_event)
+    latencies = [(received[c] - finished[c][0]) * 1000.0 for c in received if c in finished]
+    total_bytes = sum(finished[c][1] for c in received if c in finished)
+    span = (max(received.values()) - min(t for t, _ in finished.values())) if received else 0.0
+    return {
+        "requests": requests,
+        "verified": verified,
+        "p50_ms": round(_percentile(latencies, 0.5), 3),
+        "p99_ms": round(_percentile(latencies, 0.99), 3),
+        "gbps": round(total_bytes / span / 1e9, 3) if span > 0 else 0.0,
+        "failures": failures,
+        "summaries": summaries,
+    }

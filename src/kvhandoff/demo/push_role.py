@@ -1,0 +1,235 @@
+"""`kvhandoff run prefill|decode`: one push-mode instance with an engine-like step loop.
+
+Each process owns a real NIXL agent over its KV regions, serves its handshake on a ZMQ
+side channel, runs the push writer thread and steps the scheduler/worker API like an
+engine: D allocates blocks and registers them; P "prefills" (fills each request's blocks
+with a request-specific pattern) and finishes; the framework pushes; D verifies every
+byte. Both derive the same request list from `--seed`, standing in for a proxy that
+sends the prefill leg to P and the decode leg to D (R-P01). Events go to stdout as
+`@@ <json>` lines, which the demo launcher reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvhandoff.protocol.push_config import PushConfig
+
+MARK = "@@ "
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRequest:
+    client_id: str
+    num_blocks: int
+
+
+def demo_requests(count: int, seed: int) -> list[DemoRequest]:
+    """Many small requests and a few large ones, the same list on both sides."""
+    rng = random.Random(seed)
+    sizes = [
+        rng.choice((1, 2, 3, 4, 6, 8)) if i % 8 else rng.choice((24, 32)) for i in range(count)
+    ]
+    return [DemoRequest(f"cmpl-{seed:04x}{i:05d}-0", n) for i, n in enumerate(sizes)]
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(MARK + json.dumps({"event": event, **fields}), flush=True)
+
+
+@dataclass
+class RoleOptions:
+    role: str
+    engine_id: str
+    listen_host: str
+    listen_port: int
+    peer_host: str
+    peer_port: int
+    peer_engine_id: str
+    requests: int
+    seed: int
+    backend: str
+    deadline_s: float
+    per_step: int
+    config: PushConfig
+    wait_go: bool = False
+
+
+def run_push_role(opts: RoleOptions) -> int:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvhandoff.adapters.nixl_agent import NixlAgent
+    from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+    from kvhandoff.adapters.push_side import PushSide
+    from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
+    from kvhandoff.demo.kv_memory import KVMemory, KVShape
+    from kvhandoff.machines.push_scheduler import LocalEngine
+    from kvhandoff.protocol.handshake import compatibility_hash
+
+    shape = KVShape()
+    memory = KVMemory(shape)
+    agent = NixlAgent(f"{opts.engine_id}-{secrets.token_hex(4)}", opts.backend)
+    transport = NixlPushTransport(
+        opts.engine_id,
+        agent,
+        memory.local_regions(),
+        compatibility_hash=compatibility_hash(
+            "kvhandoff-demo", "demo-model", "uint8", shape.block_len
+        ),
+        is_decoder=opts.role == "decode",
+    )
+    server = transport.serve(opts.listen_host, opts.listen_port)
+    executor = HandshakeExecutor()
+    engine = LocalEngine(opts.engine_id, opts.listen_host, server.port)
+    side = PushSide(opts.role, engine, transport, executor.submit, config=opts.config)  # type: ignore[arg-type]
+    writer = PushWriterThread(side).start()
+    emit("ready", engine_id=opts.engine_id, port=server.port, role=opts.role)
+    if opts.wait_go:
+        sys.stdin.readline()  # the launcher starts both sides together, as a proxy would
+    try:
+        loop = (
+            _PrefillLoop(side, memory, opts)
+            if opts.role == "prefill"
+            else _DecodeLoop(side, memory, opts)
+        )
+        summary = loop.run()
+    finally:
+        writer.stop()
+        executor.shutdown()
+        server.close()
+        agent.close()
+    summary.update(
+        rejected_notifs=side.writer.rejected_notifs + side.worker.rejected_notifs,
+        failed_transfers=side.failed_transfers,
+        writer_errors=writer.errors,
+    )
+    emit("summary", **summary)
+    return 0 if summary.get("unresolved", 0) == 0 else 1
+
+
+class _Loop:
+    def __init__(self, side: Any, memory: Any, opts: RoleOptions) -> None:
+        self.side = side
+        self.memory = memory
+        self.opts = opts
+        self.todo = demo_requests(opts.requests, opts.seed)
+        self.suffix = secrets.token_hex(4)  # the per-engine random request-id suffix
+        self.blocks: dict[str, list[int]] = {}
+        self.client_of: dict[str, str] = {}
+        self.deadline = time.monotonic() + opts.deadline_s
+
+    def request_id(self, client_id: str) -> str:
+        return f"{client_id}-{self.suffix}"
+
+    def step(self) -> Any:
+        sched = self.side.scheduler
+        meta = sched.build_connector_meta()
+        self.side.worker.start_load_kv(meta)
+        output = self.side.get_finished()
+        sched.update_connector_output(output)
+        return output
+
+    def idle(self) -> None:
+        time.sleep(0.0002)  # an engine with nothing to compute would wait for requests
+
+
+class _PrefillLoop(_Loop):
+    def run(self) -> dict[str, Any]:
+        sched = self.side.scheduler
+        sent = 0
+        while time.monotonic() < self.deadline:
+            for req in self.todo[: self.opts.per_step]:
+                rid = self.request_id(req.client_id)
+                blocks = self.memory.allocate(req.num_blocks)
+                self.memory.fill(req.client_id, blocks)
+                self.blocks[rid], self.client_of[rid] = blocks, req.client_id
+                sched.request_finished(rid, blocks, {"do_remote_decode": True})
+                nbytes = req.num_blocks * self.memory.shape.block_len * self.memory.shape.regions
+                emit("finished", client=req.client_id, t=time.time(), bytes=nbytes)
+            self.todo = self.todo[self.opts.per_step :]
+            output = self.step()
+            for rid in output.finished_sending:
+                self.memory.free(self.blocks.pop(rid))
+                sent += 1
+            if not self.todo and not sched.has_pending_push_work():
+                break
+            self.idle()
+        return {"role": "prefill", "finished_sending": sent, "unresolved": len(self.blocks)}
+
+
+class _DecodeLoop(_Loop):
+    def run(self) -> dict[str, Any]:
+        from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+
+        prefill = PrefillCoordinates(
+            self.opts.peer_engine_id, self.opts.peer_host, self.opts.peer_port, 1
+        )
+        sched = self.side.scheduler
+        verified = failed = 0
+        while time.monotonic() < self.deadline:
+            for req in self.todo[: self.opts.per_step]:
+                rid = self.request_id(req.client_id)
+                blocks = self.memory.allocate(req.num_blocks)
+                self.memory.clear(blocks)
+                self.blocks[rid], self.client_of[rid] = blocks, req.client_id
+                leg = decode_leg({"request_id": req.client_id}, prefill)
+                sched.update_state_after_alloc(rid, blocks, leg["kv_transfer_params"])
+            self.todo = self.todo[self.opts.per_step :]
+            output = self.step()
+            for rid in output.finished_recving:
+                client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)
+                ok = self.memory.verify(client, blocks)
+                verified += ok
+                emit("received", client=client, t=time.time(), verified=ok)
+                self.memory.free(blocks)
+            for rid, reason in output.failed_recving.items():
+                client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)
+                failed += 1
+                emit("failed", client=client, reason=reason)
+                self.memory.free(blocks)
+            if not self.todo and not self.blocks:
+                break
+            self.idle()
+        for rid in list(self.blocks):
+            sched.abort(rid)
+            emit("failed", client=self.client_of[rid], reason="deadline passed")
+        return {
+            "role": "decode",
+            "verified": verified,
+            "failed": failed,
+            "unresolved": len(self.blocks),
+        }
+
+
+def main_from_args(args: Any) -> int:
+    host, _, port = args.listen.rpartition(":")
+    peer_host, _, peer_port = (args.peer or ":0").rpartition(":")
+    opts = RoleOptions(
+        role=args.role,
+        engine_id=args.engine_id or f"{args.role}-0",
+        listen_host=host or "127.0.0.1",
+        listen_port=int(port or 0),
+        peer_host=peer_host or "127.0.0.1",
+        peer_port=int(peer_port or 0),
+        peer_engine_id=args.peer_engine_id,
+        requests=args.requests,
+        seed=args.seed,
+        backend=args.backend,
+        deadline_s=args.deadline,
+        per_step=args.per_step,
+        config=PushConfig(nixl_backend=args.backend),
+        wait_go=args.wait_go,
+    )
+    if opts.role == "decode" and not opts.peer_port:
+        print(
+            "kvhandoff run decode needs --peer HOST:PORT (the prefill side channel)",
+            file=sys.stderr,
+        )
+        return 2
+    return run_push_role(opts)
