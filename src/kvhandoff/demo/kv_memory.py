@@ -90,4 +90,4 @@ class KVMemory:
 
 def _word(client_id: str, region: int, ordinal: int) -> np.uint64:
     digest = hashlib.blake2b(f"{client_id}/{region}/{ordinal}".encode(), digest_size=8).digest()
-    return np.frombuffer(digest, dtype=np.uint64)[0]
+    return np.uint64(int.from_bytes(digest, "little"))
