@@ -17,6 +17,17 @@ LOCAL_TIER_MODULES: tuple[str, ...] = (
     "kvhandoff.protocol.ec_status",
     "kvhandoff.protocol.ec_config",
     "kvhandoff.protocol.ec_publication",
+    "kvhandoff.machines.ec_pool",
+    "kvhandoff.machines.ec_cache_entry",
+    "kvhandoff.machines.ec_cache",
+    "kvhandoff.machines.ec_copy_batch",
+    "kvhandoff.machines.ec_meta",
+    "kvhandoff.machines.ec_request",
+    "kvhandoff.machines.ec_worker_region",
+    "kvhandoff.machines.ec_nixl_gate",
+    "kvhandoff.machines.ec_scheduler",
+    "kvhandoff.machines.ec_worker",
+    "kvhandoff.machines.ec_connector",
 )
 """Every module the local (no `ec_enable_nixl`) tier may import."""
 
@@ -63,3 +74,28 @@ def test_R_E02_whole_local_tier_imports_no_p2p_stack(tmp_path: Path) -> None:
 def test_R_E02_probe_detects_msgspec_from_the_p2p_wire_module(tmp_path: Path) -> None:
     # Control: the probe must see a forbidden import when one happens.
     assert "msgspec" in _forbidden_loaded(("kvhandoff.protocol.ec_wire",), tmp_path)
+
+
+def test_R_E02_local_connector_halves_built_without_p2p_stack(tmp_path: Path) -> None:
+    # Building (not only importing) a local-tier scheduler and worker stays off the P2P stack.
+    code = _PROBE.format(forbidden=FORBIDDEN_PACKAGES).replace(
+        "forbidden = ",
+        "from kvhandoff.machines.ec_connector import ECCPUConnector\n"
+        "from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig\n"
+        "c = ECTransferConfig(ec_connector='ECCPUConnector', ec_role='ec_both',\n"
+        "    ec_connector_extra_config={'ec_cpu_bytes': 4096})\n"
+        "ECCPUConnector.scheduler(c, ECLayout(8, 2, 4096))\n"
+        "ECCPUConnector.worker(c, ECLayout(8, 2, 4096)).register_caches()\n"
+        "forbidden = ",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_R_E02_p2p_halves_are_separate_modules(tmp_path: Path) -> None:
+    # Control: the P2P modules do load msgspec, so they must stay out of the list above.
+    for module in ("kvhandoff.machines.ec_p2p", "kvhandoff.machines.ec_consumer_read"):
+        assert "msgspec" in _forbidden_loaded((module,), tmp_path)

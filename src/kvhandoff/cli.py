@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline", type=float, default=60.0, help="seconds before giving up")
     run.add_argument("--per-step", type=int, default=4, help="requests started per engine step")
     run.add_argument("--wait-go", action="store_true", help="start after a line on stdin")
+    run.add_argument("--config", default="{}", help="JSON object of push config overrides")
     run.set_defaults(func=_cmd_run)
     return parser
 

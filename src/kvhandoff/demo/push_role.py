@@ -223,7 +223,7 @@ def main_from_args(args: Any) -> int:
         backend=args.backend,
         deadline_s=args.deadline,
         per_step=args.per_step,
-        config=PushConfig(nixl_backend=args.backend),
+        config=PushConfig.from_mapping({"nixl_backend": args.backend, **json.loads(args.config)}),
         wait_go=args.wait_go,
     )
     if opts.role == "decode" and not opts.peer_port:

@@ -1,0 +1,92 @@
+"""One live push instance: KV memory, a real NIXL agent, the ZMQ side channel, the
+writer thread and the handshake executor around a `PushSide`, started and stopped as one.
+
+Used by `kvhandoff run prefill|decode` and by the integration tests, which drive its
+engine step themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from kvhandoff.adapters.nixl_agent import NixlAgent
+from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+from kvhandoff.adapters.push_side import PushSide
+from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
+from kvhandoff.demo.kv_memory import KVMemory, KVShape
+from kvhandoff.machines.push_scheduler import LocalEngine, PushConnectorOutput, Role
+from kvhandoff.protocol.handshake import compatibility_hash
+from kvhandoff.protocol.push_config import PushConfig
+
+TransportFactory = Callable[..., NixlPushTransport]
+
+
+class LivePushInstance:
+    def __init__(
+        self,
+        role: Role,
+        engine_id: str,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        config: PushConfig | None = None,
+        shape: KVShape | None = None,
+        transport_factory: TransportFactory = NixlPushTransport,
+    ) -> None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        self.role = role
+        self.config = config or PushConfig()
+        self.memory = KVMemory(shape or KVShape())
+        self.agent = NixlAgent(f"{engine_id}-{secrets.token_hex(4)}", self.config.nixl_backend)
+        self.transport = transport_factory(
+            engine_id,
+            self.agent,
+            self.memory.local_regions(),
+            compatibility_hash=compatibility_hash(
+                "kvhandoff-demo", "demo-model", "uint8", self.memory.shape.block_len
+            ),
+            is_decoder=role == "decode",
+        )
+        self.server = self.transport.serve(listen_host, listen_port)
+        self.executor = HandshakeExecutor()
+        self.engine = LocalEngine(engine_id, listen_host, self.server.port)
+        self.side = PushSide(
+            role, self.engine, self.transport, self.executor.submit, config=self.config
+        )
+        self.writer = PushWriterThread(self.side).start()
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def step(self) -> PushConnectorOutput:
+        """One engine step of the connector: meta, start_load_kv, get_finished, output."""
+        sched = self.side.scheduler
+        meta = sched.build_connector_meta()
+        self.side.worker.start_load_kv(meta)
+        output = self.side.get_finished()
+        sched.update_connector_output(output)
+        return output
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "rejected_notifs": self.side.writer.rejected_notifs + self.side.worker.rejected_notifs,
+            "failed_transfers": self.side.failed_transfers,
+            "writer_errors": self.writer.errors,
+            "metrics": dict(self.side.bus.metrics),
+        }
+
+    def close(self) -> None:
+        self.writer.stop()
+        self.executor.shutdown()
+        self.server.close()
+        self.agent.close()
+
+    def __enter__(self) -> LivePushInstance:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,538 @@
+"""Engine-facing API of the encoder-cache tier: scheduler and worker halves (issue 4).
+
+Local-tier tests drive `ECScheduler`/`ECWorker` directly; P2P tests run a producer and a
+consumer over the seeded in-memory planes of `helpers.ec_sim` on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from kvhandoff.machines.clock import VirtualClock
+from kvhandoff.machines.ec_cache_entry import EncodingEvicted
+from kvhandoff.machines.ec_connector import ECCPUConnector
+from kvhandoff.machines.ec_copy_batch import CopyBlocks
+from kvhandoff.machines.ec_meta import ECConnectorMeta, ECRequestInfo, ECWorkerMeta
+from kvhandoff.machines.ec_nixl_gate import NIXL_MISSING_MESSAGE
+from kvhandoff.machines.ec_producer_grant import SendXferAck
+from kvhandoff.machines.ec_scheduler import ECScheduler
+from kvhandoff.machines.ec_worker import ECWorker
+from kvhandoff.machines.ec_worker_region import CloseRegion
+from kvhandoff.protocol.ec_config import ECRole
+from kvhandoff.protocol.ec_publication import parse_ec_transfer_params
+from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+from kvhandoff.protocol.ec_wire import (
+    XferAck,
+    XferDone,
+    XferReq,
+    decode_xfer_ack,
+    encode_xfer_ack,
+    encode_xfer_done,
+    encode_xfer_req,
+)
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+
+from helpers.ec_sim import BLOCK_BYTES, COMPAT, Sim, layout, transfer_config
+
+META = {"image_grid_thw": [1, 4, 4]}
+
+
+def local(role: ECRole, num_blocks: int = 8) -> tuple[ECScheduler, ECWorker]:
+    config = transfer_config(role, num_blocks, engine_id=f"local-{role}", p2p=False)
+    lay = layout(num_blocks)
+    scheduler = ECCPUConnector.scheduler(config, lay)
+    worker = ECCPUConnector.worker(config, lay)
+    worker.register_caches(0, lay.region_bytes)
+    return scheduler, worker
+
+
+def run_step(
+    scheduler: ECScheduler, worker: ECWorker, *, land: bool = True
+) -> tuple[ECConnectorMeta, list[CopyBlocks]]:
+    """One engine step; every copy lands at once unless `land` is False."""
+    meta = scheduler.build_connector_meta()
+    worker.start_load_caches(meta)
+    worker.save_caches()
+    copies = [e for e in worker.drain_effects() if isinstance(e, CopyBlocks)]
+    if land:
+        for copy in copies:
+            worker.on_copy_done(copy.batch_id)
+    scheduler.update_connector_output(worker.build_connector_worker_meta())
+    return meta, copies
+
+
+def request(rid: str, *hashes: str, **fields: Any) -> ECRequestInfo:
+    return ECRequestInfo(rid, tuple(hashes), **fields)
+
+
+def encode(scheduler: ECScheduler, worker: ECWorker, rid: str, mm_hash: str, tokens: int) -> None:
+    req = request(rid, mm_hash, mm_metadata={mm_hash: META})
+    scheduler.update_state_after_alloc(req, mm_hash, tokens)
+    run_step(scheduler, worker)
+
+
+# -- configuration and gating -------------------------------------------------------------
+
+
+def test_R_E01_layout_must_match_ec_cpu_bytes() -> None:
+    config = transfer_config("ec_both", 8, engine_id="e", p2p=False)
+    with pytest.raises(LocalProtocolError, match="ec_cpu_bytes"):
+        ECScheduler(config, layout(9))
+
+
+def test_R_E01_missing_ec_cpu_bytes_raises_value_error() -> None:
+    config = transfer_config("ec_both", 8, engine_id="e", p2p=False)
+    bad = type(config)(
+        ec_connector="ECCPUConnector", ec_role="ec_both", ec_connector_extra_config={}
+    )
+    with pytest.raises(ValueError, match="ec_cpu_bytes"):
+        ECScheduler(bad, layout(8))
+
+
+def test_R_E01_consumer_ack_timeout_s_sets_the_ack_deadline() -> None:
+    config = transfer_config("ec_consumer", 16, engine_id="slow", consumer_ack_timeout_s=7.5)
+    scheduler = ECScheduler(config, layout(16), compat_hash=COMPAT, clock=VirtualClock())
+    params = {"h": {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}}
+    assert not scheduler.ensure_cache_available(request("r", "h", ec_transfer_params=params))
+    assert scheduler.bus.deadline_of("ec.consumer_read", "h") == 7.5
+
+
+@pytest.mark.parametrize("half", ["scheduler", "worker"])
+def test_R_E02_p2p_without_nixl_raises_runtime_error_naming_the_fix(
+    half: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+
+    def no_nixl(name: str, *args: Any) -> Any:
+        return None if name.startswith("nixl") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_nixl)
+    config = transfer_config("ec_both", 8, engine_id="e", p2p=True)
+    build = ECCPUConnector.scheduler if half == "scheduler" else ECCPUConnector.worker
+    with pytest.raises(RuntimeError) as info:
+        build(config, layout(8), compat_hash=COMPAT) if half == "scheduler" else build(
+            config, layout(8)
+        )
+    assert str(info.value) == NIXL_MISSING_MESSAGE
+    assert "remove ec_enable_nixl from ec_connector_extra_config" in str(info.value)
+
+
+def test_R_E02_local_tier_has_no_p2p_halves() -> None:
+    scheduler, _ = local("ec_both")
+    assert scheduler.consumer is None and scheduler.producer is None
+    with pytest.raises(LocalProtocolError, match="not a P2P consumer"):
+        scheduler.on_xfer_ack(b"")
+    assert scheduler.request_finished(request("r", "h", mm_metadata={"h": META})) == {}
+
+
+def test_R_E02_connector_name_is_checked() -> None:
+    config = transfer_config("ec_both", 8, engine_id="e", p2p=False)
+    other = type(config)(
+        ec_connector="ECExampleConnector",
+        ec_role="ec_both",
+        ec_connector_extra_config=config.ec_connector_extra_config,
+    )
+    with pytest.raises(LocalProtocolError, match="ECCPUConnector"):
+        ECCPUConnector.scheduler(other, layout(8))
+
+
+@pytest.mark.parametrize(
+    ("role", "encoder_only"), [("ec_producer", True), ("ec_consumer", False), ("ec_both", False)]
+)
+def test_R_E13_a_producer_alone_runs_encoder_only(role: ECRole, encoder_only: bool) -> None:
+    scheduler, _ = local(role)
+    assert scheduler.is_mm_encoder_only is encoder_only
+
+
+# -- local tier: save, load, eviction -------------------------------------------------------
+
+
+def test_R_E04_R_E05_save_then_load_round_trip_on_ec_both() -> None:
+    scheduler, worker = local("ec_both")
+    req = request("r1", "h")
+    scheduler.update_state_after_alloc(req, "h", 3)
+    assert not scheduler.has_cache_item("h"), "not ready before the save lands"
+    meta, copies = run_step(scheduler, worker, land=False)
+    assert [item.mm_hash for item in meta.saves] == ["h"] and meta.loads == ()
+    assert [c.direction for c in copies] == ["save"]
+    assert not scheduler.has_cache_item("h"), "still saving: end event not seen"
+    worker.on_copy_done(copies[0].batch_id)
+    assert worker.get_finished().saved == {"h"}
+    scheduler.update_connector_output(worker.build_connector_worker_meta())
+    assert scheduler.has_cache_item("h")
+    assert scheduler.ensure_cache_available(request("r2", "h"))
+    assert scheduler.cache.state("h") == "pinned", "held until its load is scheduled"
+    scheduler.update_state_after_alloc(request("r2", "h"), "h", 3)
+    meta, copies = run_step(scheduler, worker, land=False)
+    assert [item.blocks for item in meta.loads] == [(0, 1, 2)]
+    assert scheduler.cache.state("h") == "pinned", "pinned while loading"
+    worker.on_copy_done(copies[0].batch_id)
+    scheduler.update_connector_output(worker.build_connector_worker_meta())
+    scheduler.request_finished(request("r2", "h"))
+    assert scheduler.cache.state("h") == "ready"
+    scheduler.cache.check()
+
+
+def test_R_E04_eviction_under_pressure_is_fifo() -> None:
+    scheduler, worker = local("ec_both", num_blocks=6)
+    for index, mm_hash in enumerate(["a", "b", "c"]):
+        encode(scheduler, worker, f"r{index}", mm_hash, 2)
+    assert scheduler.ensure_cache_available(request("keep", "a"))  # holds a
+    encode(scheduler, worker, "r3", "d", 2)
+    assert scheduler.cache.state("b") is None, "b was the oldest ready and unpinned"
+    assert {scheduler.cache.state(h) for h in "acd"} == {"pinned", "ready"}
+    encode(scheduler, worker, "r4", "e", 5)
+    assert scheduler.cache.state("e") is None, "pinned a leaves room for 4 blocks only"
+    assert scheduler.cache.state("c") == "ready", "nothing evicted for a failed reservation"
+    encode(scheduler, worker, "r5", "f", 3)
+    assert scheduler.cache.state("c") is None and scheduler.cache.state("d") is None
+    assert scheduler.cache.state("a") == "pinned" and scheduler.cache.state("f") == "ready"
+    scheduler.cache.check()
+
+
+def test_R_E05_abandoned_and_failed_saves_free_their_blocks() -> None:
+    scheduler, worker = local("ec_producer")
+    scheduler.update_state_after_alloc(request("r", "a"), "a", 2)
+    scheduler.update_state_after_alloc(request("r", "b"), "b", 2)
+    worker.start_load_caches(scheduler.build_connector_meta())
+    worker.save_caches(["a"])  # the encoder never produced b
+    (copy,) = [e for e in worker.drain_effects() if isinstance(e, CopyBlocks)]
+    worker.on_copy_done(copy.batch_id, ok=False)
+    report = worker.build_connector_worker_meta()
+    assert set(report.failed_saves) == {"a", "b"} and not report.saved
+    scheduler.update_connector_output(report)
+    assert scheduler.cache.pool.free_count == scheduler.layout.num_blocks
+
+
+def test_R_E03_only_tp0_pcp0_writes_and_the_owner_unlinks() -> None:
+    config = transfer_config("ec_both", 8, engine_id="e", p2p=False)
+    writer = ECCPUConnector.worker(config, layout(8), tp_rank=0, pcp_rank=0)
+    reader = ECCPUConnector.worker(config, layout(8), tp_rank=1, pcp_rank=0)
+    other_pcp = ECCPUConnector.worker(config, layout(8), tp_rank=0, pcp_rank=1)
+    scheduler = ECScheduler(config, layout(8))
+    scheduler.update_state_after_alloc(request("r", "h"), "h", 2)
+    meta = scheduler.build_connector_meta()
+    for worker in (writer, reader, other_pcp):
+        worker.register_caches(0, layout(8).region_bytes)
+        worker.start_load_caches(meta)
+        worker.save_caches()
+    assert [type(e) for e in writer.drain_effects()] == [CopyBlocks]
+    assert reader.drain_effects() == [] and other_pcp.drain_effects() == []
+    for worker, unlink in ((writer, True), (reader, False)):
+        worker.shutdown()
+        worker.shutdown()  # idempotent
+        assert worker.drain_effects() == [CloseRegion(unlink=unlink)]
+        with pytest.raises(LocalProtocolError, match="register_caches"):
+            worker.start_load_caches(ECConnectorMeta())
+
+
+def test_R_E03_worker_refuses_copies_before_registration_and_small_regions() -> None:
+    config = transfer_config("ec_both", 8, engine_id="e", p2p=False)
+    worker = ECWorker(config, layout(8))
+    with pytest.raises(LocalProtocolError, match="register_caches"):
+        worker.save_caches()
+    with pytest.raises(LocalProtocolError, match="cannot hold"):
+        worker.register_caches(0, BLOCK_BYTES)
+
+
+# -- P2P: publication, reads, NACKs ------------------------------------------------------
+
+
+def step_both(sim: Sim) -> None:
+    sim.engine_step(sim.producer, [])
+    sim.engine_step(sim.consumer, [])
+
+
+def produce(sim: Sim, mm_hash: str, tokens: int = 2, *, land: bool = True) -> dict[str, Any]:
+    req = request(f"p-{mm_hash}", mm_hash, mm_metadata={mm_hash: META})
+    sim.engine_step(sim.producer, [(req, mm_hash, tokens)])
+    if land:
+        sim.advance(1.0, step=lambda: step_both(sim))
+    return sim.producer.scheduler.request_finished(req)
+
+
+def consume(
+    sim: Sim, rid: str, params: dict[str, Any], *, metadata_only: bool = False, budget: float = 5.0
+) -> bool:
+    req = request(
+        rid,
+        *params,
+        ec_transfer_params=params,
+        metadata_only=frozenset(params) if metadata_only else frozenset(),
+    )
+    scheduler = sim.consumer.scheduler
+    waited = 0.0
+    while not scheduler.ensure_cache_available(req):
+        if scheduler.bus.get("ec.request", rid).state == "failed":  # type: ignore[union-attr]
+            sim.consumer.failed.extend(scheduler.take_failed_requests())
+            return False
+        assert waited <= budget, f"{rid} still waits after {waited} s"
+        sim.advance(0.1, step=lambda: step_both(sim))
+        waited += 0.1
+    return True
+
+
+def test_R_E06_publication_metadata_and_address_together_or_neither() -> None:
+    sim = Sim(1, producer_blocks=4)
+    params = produce(sim, "h", 3)
+    assert params == {
+        "h": {"metadata": META, "peer_host": "producer.sim", "peer_port": 5601, "size_bytes": 24}
+    }
+    parsed = parse_ec_transfer_params(params)["h"]
+    assert parsed is not None and parsed.size_bytes == 3 * BLOCK_BYTES
+    too_big = produce(sim, "big", 5)  # the region holds 4 blocks: never stored
+    assert too_big == {"big": {"metadata": {}}}
+    no_metadata = request("p-x", "h")  # resident, but the model gave no metadata
+    assert sim.producer.scheduler.request_finished(no_metadata) == {"h": {"metadata": {}}}
+    assert parse_ec_transfer_params(too_big) == {"big": None}
+
+
+def test_R_E07_consumer_defers_until_the_read_completes() -> None:
+    sim = Sim(2)
+    params = produce(sim, "h", 3)
+    req = request("c1", "h", ec_transfer_params=params)
+    assert not sim.consumer.scheduler.ensure_cache_available(req)
+    assert sim.consumer.scheduler.consumer.read("h").state == "xfer_req_sent"  # type: ignore[union-attr]
+    assert consume(sim, "c1", params)
+    assert sim.consumer.scheduler.has_cache_item("h")
+    assert sim.reads_landed == 1
+    sim.advance(1.0, step=lambda: step_both(sim))  # the XferDone reaches the producer
+    entry = sim.producer.scheduler.cache.entry("h")
+    assert entry is not None and entry.state == "ready" and entry.ctx.consumed
+
+
+def test_R_E08_not_ready_retries_next_step_and_evicts_nothing_B04() -> None:
+    sim = Sim(3, consumer_blocks=4, copy_delay=(3.0, 3.0))
+    scheduler = sim.consumer.scheduler
+    for filler in ("f1", "f2"):  # fill the consumer's tier with ready entries
+        scheduler.cache.reserve(filler, 1, BLOCK_BYTES, "save")
+        scheduler.cache.deliver(filler, "saved")
+    params = produce(sim, "h", 2, land=False)  # the producer's save lands in 3 s
+    assert consume(sim, "c1", params)
+    retries = sum(1 for _, _, status in sim.delivered_acks if status == "NACK_NOT_READY")
+    assert retries >= 2, "the consumer asked again on later steps"
+    assert scheduler.counters()["evictions"] == 0, "no ready entry evicted per retry (B-04)"
+    assert scheduler.cache.state("f1") == scheduler.cache.state("f2") == "ready"
+    assert sim.consumer.failed == [] and sim.remote_errors == []
+
+
+def test_R_E08_missing_encoding_falls_back_locally() -> None:
+    sim = Sim(4)
+    params = produce(sim, "h")
+    sim.restart_producer()  # the new producer does not hold h
+    assert consume(sim, "c1", params)
+    assert not sim.consumer.scheduler.has_cache_item("h")
+    inst = sim.consumer.scheduler.bus.get("ec.request", "c1")
+    assert inst is not None and inst.ctx.local == {"h": "NACK_MISSING"}
+    assert sim.consumer.scheduler.cache.pool.free_count == 16, "destination freed"
+
+
+def test_R_E12_ack_timeout_falls_back_and_quarantine_keeps_the_destination() -> None:
+    sim = Sim(5, consumer_blocks=2)
+    params = produce(sim, "h", 2)
+    sim.drop_next = 1  # the XferReq is lost
+    assert consume(sim, "c1", params, budget=2.5)
+    inst = sim.consumer.scheduler.bus.get("ec.request", "c1")
+    assert inst is not None and inst.ctx.local == {"h": "ack_timeout"}
+    sim.read_faults.append("hang")
+    assert consume(sim, "c2", params, budget=21.0)
+    scheduler = sim.consumer.scheduler
+    assert scheduler.consumer.read("h").state == "quarantined"  # type: ignore[union-attr]
+    assert scheduler.cache.state("h") == "allocated" and scheduler.cache.pool.free_count == 0
+    sim.advance(59.0, step=lambda: step_both(sim))
+    assert scheduler.cache.state("h") == "allocated", "not evicted during quarantine"
+    sim.advance(2.0, step=lambda: step_both(sim))
+    assert scheduler.cache.state("h") is None and scheduler.cache.pool.free_count == 2
+
+
+def test_R_E12_unclaimed_grant_is_unpinned_after_the_lease() -> None:
+    sim = Sim(6)
+    produce(sim, "h")
+    ack = producer_answers(sim, encode_xfer_req(a_request()))  # a consumer that never reads
+    assert ack.status is XferStatus.OK and ack.lease_s == 30.0
+    entry = sim.producer.scheduler.cache.entry("h")
+    assert entry is not None and entry.state == "pinned"
+    sim.advance(29.9, step=lambda: step_both(sim))
+    assert entry.state == "pinned"
+    sim.advance(0.2, step=lambda: step_both(sim))
+    assert entry.state == "ready" and not entry.ctx.consumed
+    assert sim.producer.scheduler.producer.grants() == []  # type: ignore[union-attr]
+
+
+def test_R_E11_restarted_producer_is_read_with_the_metadata_of_its_ack() -> None:
+    sim = Sim(7)
+    produce(sim, "old")
+    sim.restart_producer()
+    params = produce(sim, "h")
+    reads: list[Any] = []
+    from kvhandoff.machines.ec_consumer_read import IssueRead
+
+    handler = sim.consumer.scheduler.bus._handlers[IssueRead]
+    sim.consumer.scheduler.bus.handle(IssueRead, lambda i, e: (reads.append(e), handler(i, e)))
+    assert consume(sim, "c1", params)
+    assert reads[0].producer_agent_metadata == b"md-producer-1"
+    assert sim.consumer.scheduler.has_cache_item("h")
+
+
+# -- B-01, B-05 ----------------------------------------------------------------------------
+
+
+def test_B01_eviction_of_a_published_encoding_is_announced_to_the_orchestrator() -> None:
+    sim = Sim(8, producer_blocks=4)
+    produce(sim, "a", 2)
+    produce(sim, "b", 2)
+    produce(sim, "c", 2)  # evicts a, FIFO
+    assert sim.producer.evicted == [EncodingEvicted("a", "evicted")]
+
+
+def test_B05_lost_encoding_with_rewritten_media_fails_the_request_cleanly() -> None:
+    sim = Sim(9)
+    params = produce(sim, "h")
+    sim.restart_producer()
+    assert not consume(sim, "c1", params, metadata_only=True)
+    (failure,) = sim.consumer.failed
+    assert failure.request_id == "c1" and "NACK_MISSING" in failure.reason
+    assert not sim.consumer.scheduler.ensure_cache_available(request("c1", "h"))
+    sim.consumer.scheduler.request_finished(request("c1", "h"))
+    assert sim.consumer.scheduler.bus.get("ec.request", "c1") is None
+
+
+def test_B05_unservable_publication_with_rewritten_media_fails_at_once() -> None:
+    scheduler, _ = local("ec_consumer")
+    req = request(
+        "r", "h", ec_transfer_params={"h": {"metadata": {}}}, metadata_only=frozenset("h")
+    )
+    assert not scheduler.ensure_cache_available(req)
+    (failure,) = scheduler.take_failed_requests()
+    assert "unservable" in failure.reason
+
+
+def test_B05_failed_load_fails_its_request() -> None:
+    scheduler, worker = local("ec_both")
+    encode(scheduler, worker, "r0", "h", 2)
+    req = request("r1", "h")
+    assert scheduler.ensure_cache_available(req)
+    scheduler.update_state_after_alloc(req, "h", 2)
+    scheduler.update_connector_output(ECWorkerMeta(failed_loads=("h",)))
+    (failure,) = scheduler.take_failed_requests()
+    assert failure.request_id == "r1" and "loading" in failure.reason
+    assert scheduler.cache.state("h") == "ready"
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def a_request(**overrides: Any) -> XferReq:
+    fields: dict[str, Any] = {
+        "version": EC_CONNECTOR_VERSION,
+        "transfer_id": "t1",
+        "mm_hash": "h",
+        "compat_hash": COMPAT,
+        "consumer_engine_id": "c",
+        "consumer_agent_name": "c",
+        "num_blocks": 2,
+        "size_bytes": 2 * BLOCK_BYTES,
+    }
+    fields.update(overrides)
+    return XferReq(**fields)
+
+
+def producer_answers(sim: Sim, data: bytes) -> XferAck:
+    sent: list[SendXferAck] = []
+    sim.producer.scheduler.bus.handle(SendXferAck, lambda i, e: sent.append(e))
+    sim.producer.scheduler.on_producer_message(b"peer", data)
+    (effect,) = sent
+    return decode_xfer_ack(encode_xfer_ack(effect.ack))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "status"),
+    [
+        ({"version": 7}, XferStatus.NACK_VERSION),
+        ({"compat_hash": "f" * 64}, XferStatus.NACK_INCOMPAT),
+        ({"mm_hash": "unknown"}, XferStatus.NACK_MISSING),
+    ],
+)
+def test_R_E09_R_E10_bad_requests_get_the_right_nack(
+    overrides: dict[str, Any], status: XferStatus
+) -> None:
+    sim = Sim(10)
+    produce(sim, "h")
+    before = sim.producer.scheduler.cache.state("h")
+    data = encode_xfer_req(a_request(**overrides))
+    assert producer_answers(sim, data).status is status
+    assert sim.producer.scheduler.cache.state("h") == before, "no state change"
+    assert sim.producer.scheduler.bus.metrics[f"ec.producer.{status}"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x93\x01\x02\x03", encode_xfer_ack(XferAck(1, "t", "h", XferStatus.OK, ""))],
+)
+def test_R_E09_malformed_producer_input_is_a_counted_remote_error(data: bytes) -> None:
+    sim = Sim(11)
+    produce(sim, "h")
+    with pytest.raises(RemoteProtocolError):
+        sim.producer.scheduler.on_producer_message(b"peer", data)
+    assert sim.producer.scheduler.counters()["producer_remote_errors"] == 1
+    assert sim.producer.scheduler.producer.grants() == []  # type: ignore[union-attr]
+
+
+def test_R_E09_duplicate_transfer_and_unknown_done_are_remote_errors() -> None:
+    sim = Sim(12)
+    produce(sim, "h")
+    sim.producer.scheduler.on_producer_message(b"peer", encode_xfer_req(a_request()))
+    with pytest.raises(RemoteProtocolError, match="already granted"):
+        sim.producer.scheduler.on_producer_message(b"peer", encode_xfer_req(a_request()))
+    done = XferDone(version=EC_CONNECTOR_VERSION, transfer_id="t1", mm_hash="h", ok=True)
+    with pytest.raises(RemoteProtocolError, match="no live grant"):
+        sim.producer.scheduler.on_producer_message(b"other-peer", encode_xfer_done(done))
+    assert sim.producer.scheduler.counters()["producer_remote_errors"] == 2
+    assert sim.producer.scheduler.cache.state("h") == "pinned", "the real grant is untouched"
+
+
+def test_R_E08_malformed_or_unknown_acks_are_counted_and_change_nothing() -> None:
+    sim = Sim(13)
+    params = produce(sim, "h")
+    sim.drop_next = 1
+    scheduler = sim.consumer.scheduler
+    scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params))
+    read = scheduler.consumer.read("h")  # type: ignore[union-attr]
+    assert read is not None and read.state == "xfer_req_sent"
+    tid = read.ctx.transfer_id
+    bad_status = encode_xfer_ack(XferAck(1, tid, "h", XferStatus.OK, "")).replace(b"OK", b"OX")
+    cases = [
+        b"junk",
+        bad_status,  # unknown status
+        encode_xfer_ack(XferAck(1, tid, "unknown", XferStatus.NACK_MISSING, "")),
+        encode_xfer_ack(XferAck(1, "someone-else", "h", XferStatus.NACK_MISSING, "")),
+    ]
+    for data in cases:
+        with pytest.raises(RemoteProtocolError):
+            scheduler.on_xfer_ack(data, peer="producer")
+    assert scheduler.counters()["consumer_remote_errors"] == len(cases)
+    assert read.state == "xfer_req_sent" and read.ctx.transfer_id == tid
+    stale = XferAck(1, tid[:-1] + "0", "h", XferStatus.NACK_NOT_READY, "")
+    scheduler.on_xfer_ack(encode_xfer_ack(stale))
+    assert scheduler.counters()["stale_acks"] == 1, "an earlier attempt's ack is only stale"
+
+
+def test_R_E08_wrong_version_ack_falls_back() -> None:
+    sim = Sim(14)
+    params = produce(sim, "h")
+    sim.ack_faults.append("NACK_VERSION")
+    assert consume(sim, "c1", params)
+    inst = sim.consumer.scheduler.bus.get("ec.request", "c1")
+    assert inst is not None and inst.ctx.local == {"h": "NACK_VERSION"}
+
+
+def test_R_E06_malformed_ec_transfer_params_are_counted_and_encoded_locally() -> None:
+    sim = Sim(15)
+    half = {"h": {"metadata": META, "peer_host": "p"}}
+    assert consume(sim, "c1", half)  # type: ignore[arg-type]
+    assert sim.consumer.scheduler.counters()["bad_params"] == 1
+    assert not consume(sim, "c2", half, metadata_only=True)  # type: ignore[arg-type]
+    assert "malformed ec_transfer_params" in sim.consumer.failed[0].reason

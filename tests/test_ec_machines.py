@@ -1,0 +1,523 @@
+"""Encoder-cache tier machines, one by one: pool, entry, copy batch, consumer read,
+producer grant, request availability, worker region (issue 4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvhandoff.machines.bus import EventBus
+from kvhandoff.machines.clock import VirtualClock
+from kvhandoff.machines.ec_cache import EmbeddingCache
+from kvhandoff.machines.ec_cache_entry import ENTRY_KIND, EncodingEvicted
+from kvhandoff.machines.ec_consumer_read import (
+    CONSUMER_READ_KIND,
+    EC_CONSUMER_READ,
+    FallBackLocal,
+    IssueRead,
+    RetryNextStep,
+    SendXferDone,
+    SendXferReq,
+)
+from kvhandoff.machines.ec_copy_batch import COPY_BATCH_KIND, EC_COPY_BATCH, CopyBlocks, CopyLanded
+from kvhandoff.machines.ec_meta import CopyItem
+from kvhandoff.machines.ec_pool import BlockPool, FifoEvictionOrder
+from kvhandoff.machines.ec_producer_grant import (
+    EC_PRODUCER_GRANT,
+    GRANT_KIND,
+    GrantCheck,
+    SendXferAck,
+)
+from kvhandoff.machines.ec_request import EC_REQUEST, REQUEST_KIND, FailRequest
+from kvhandoff.machines.ec_worker_region import EC_WORKER_REGION, REGION_KIND, CloseRegion
+from kvhandoff.machines.effects import Emit
+from kvhandoff.protocol.ec_config import ECLayout
+from kvhandoff.protocol.ec_status import (
+    EC_CONNECTOR_VERSION,
+    NACKS,
+    RETRYABLE_NACKS,
+    XferStatus,
+    compatibility_hash,
+)
+from kvhandoff.protocol.ec_wire import XferAck, XferReq, check_xfer_req, grant_ack, nack
+from kvhandoff.protocol.errors import LocalProtocolError
+
+COMPAT = compatibility_hash("1.0", "model", "bfloat16", 8)
+
+
+def isolated_bus(clock: VirtualClock | None = None) -> EventBus:
+    """A bus on which `Emit`s to other machines are recorded instead of delivered."""
+    bus = EventBus(clock or VirtualClock())
+    bus.handle(Emit, lambda inst, effect: bus.outbox.append((inst, effect)))
+    return bus
+
+
+def effects(bus: EventBus) -> list[object]:
+    return [effect for _, effect in bus.drain_outbox()]
+
+
+# -- block pool and FIFO order ------------------------------------------------------------
+
+
+def test_R_E01_pool_is_sized_from_the_layout_block_count() -> None:
+    layout = ECLayout.from_model(1024, 3, "bfloat16", 10 * 8192 + 5)
+    pool = BlockPool(layout.num_blocks)
+    assert layout.block_size_bytes == 1024 * 4 * 2
+    assert pool.num_blocks == pool.free_count == 10
+
+
+def test_R_E04_pool_never_hands_one_block_to_two_entries() -> None:
+    pool = BlockPool(6)
+    a = pool.allocate("a", 2)
+    b = pool.allocate("b", 3)
+    assert a is not None and b is not None and not set(a) & set(b)
+    assert pool.allocate("c", 2) is None, "only one block left"
+    assert pool.free_count == 1
+    pool.free("a")
+    c = pool.allocate("c", 3)
+    assert c is not None and not set(c) & set(b)
+    pool.check()
+    with pytest.raises(LocalProtocolError, match="already holds"):
+        pool.allocate("c", 1)
+    with pytest.raises(LocalProtocolError, match="holds no blocks"):
+        pool.free("a")
+
+
+def test_R_E04_fifo_order_is_insertion_order_and_survives_pinning() -> None:
+    order = FifoEvictionOrder()
+    for key in "abc":
+        order.add(key, 1)
+    assert order.oldest() is None, "nothing evictable until ready"
+    for key in "cba":
+        order.set_evictable(key, True)
+    assert order.oldest() == "a"
+    order.set_evictable("a", False)  # pinned
+    assert order.oldest() == "b"
+    order.set_evictable("a", True)  # unpinned: back in its original place
+    assert order.oldest() == "a"
+    assert order.evictable_weight == 3
+    order.remove("a")
+    assert order.oldest() == "b" and order.evictable() == ["b", "c"]
+
+
+def make_cache(num_blocks: int = 8) -> tuple[EventBus, EmbeddingCache, list[tuple[str, list[Any]]]]:
+    bus = EventBus(VirtualClock())
+    seen: list[tuple[str, list[Any]]] = []
+    cache = EmbeddingCache(bus, num_blocks, observer=lambda v, o: seen.append((v, o)))
+    return bus, cache, seen
+
+
+def test_R_E04_entry_lifecycle_allocated_ready_pinned_ready_evicted() -> None:
+    _, cache, _ = make_cache()
+    entry = cache.reserve("h", 3, 24, "save")
+    assert entry is not None and entry.state == "allocated" and not cache.is_loadable("h")
+    cache.deliver("h", "saved")
+    assert entry.state == "ready" and cache.is_loadable("h")
+    cache.deliver("h", "pin")
+    cache.deliver("h", "pin")
+    assert entry.state == "pinned" and entry.ctx.pins == 2
+    cache.deliver("h", "unpin")
+    assert entry.state == "pinned"
+    cache.deliver("h", "unpin")
+    assert entry.state == "ready" and entry.ctx.pins == 0
+    with pytest.raises(LocalProtocolError, match="'evict' is not declared in state 'allocated'"):
+        cache.reserve("g", 1, 8, "save")
+        cache.deliver("g", "evict")
+    cache.deliver("h", "evict")
+    assert cache.entry("h") is None and cache.pool.free_count == 7
+    cache.check()
+
+
+def test_R_E04_eviction_is_fifo_among_ready_and_unpinned_only() -> None:
+    _, cache, seen = make_cache(6)
+    for key in ("a", "b", "c"):
+        assert cache.reserve(key, 2, 16, "save") is not None
+    cache.deliver("b", "saved")
+    cache.deliver("c", "saved")
+    cache.deliver("a", "saved")
+    cache.deliver("b", "pin")  # b is older than c but pinned
+    assert cache.reserve("d", 2, 16, "save") is not None
+    assert [victim for victim, _ in seen] == ["a"]
+    assert cache.reserve("e", 2, 16, "save") is not None
+    assert [victim for victim, _ in seen] == ["a", "c"]
+    assert cache.state("b") == "pinned"
+    cache.check()
+
+
+def test_R_E04_no_eviction_for_a_reservation_that_cannot_succeed() -> None:
+    _, cache, seen = make_cache(4)
+    cache.reserve("a", 2, 16, "save")
+    cache.reserve("b", 2, 16, "save")
+    cache.deliver("a", "saved")
+    assert cache.reserve("big", 3, 24, "save") is None, "b is not ready: only 2 can be freed"
+    assert seen == [] and cache.state("a") == "ready"
+    assert cache.reserve("a", 1, 8, "save") is None, "one entry per mm_hash"
+
+
+def test_B01_evicting_a_published_unconsumed_encoding_is_announced() -> None:
+    bus, cache, _ = make_cache(4)
+    announced: list[EncodingEvicted] = []
+    bus.handle(EncodingEvicted, lambda inst, e: announced.append(e))
+    for key in ("pub", "quiet", "used"):
+        cache.reserve(key, 1, 8, "save")
+        cache.deliver(key, "saved")
+    cache.deliver("pub", "publish")
+    cache.deliver("used", "publish")
+    cache.deliver("used", "pin")
+    cache.deliver("used", "unpin", True)  # a peer's READ completed: consumed
+    for key in ("pub", "quiet", "used"):
+        cache.deliver(key, "evict")
+    assert announced == [EncodingEvicted("pub", "evicted")]
+
+
+def test_B01_discarding_a_published_save_is_announced() -> None:
+    bus, cache, _ = make_cache(4)
+    cache.reserve("h", 1, 8, "save")
+    cache.deliver("h", "publish")
+    cache.deliver("h", "discard")
+    assert effects(bus) == [EncodingEvicted("h", "discarded")]
+
+
+# -- copy batch ------------------------------------------------------------------------
+
+
+def test_R_E05_copy_batch_submitted_end_event_reported() -> None:
+    bus = EventBus(VirtualClock())
+    bus.register(EC_COPY_BATCH)
+    items = (CopyItem("h", (1, 2), 2),)
+    bus.create(COPY_BATCH_KIND, 1, direction="save", items=items)
+    bus.dispatch(COPY_BATCH_KIND, 1, "submit")
+    assert effects(bus) == [CopyBlocks("save", 1, items)]
+    bus.dispatch(COPY_BATCH_KIND, 1, "end_event")
+    assert effects(bus) == [CopyLanded("save", 1, ("h",), True)]
+    bus.dispatch(COPY_BATCH_KIND, 1, "report")
+    assert bus.get(COPY_BATCH_KIND, 1) is None
+    with pytest.raises(LocalProtocolError):
+        bus.dispatch(COPY_BATCH_KIND, 1, "report")
+
+
+# -- consumer read -------------------------------------------------------------------------
+
+
+def read_bus(**config: float) -> tuple[EventBus, VirtualClock]:
+    clock = VirtualClock()
+    bus = isolated_bus(clock)
+    bus.register(EC_CONSUMER_READ, config or None)
+    bus.create(
+        CONSUMER_READ_KIND,
+        "h",
+        peer_host="p.host",
+        peer_port=5601,
+        size_bytes=24,
+        dest_blocks=(4, 5, 6),
+        compat_hash=COMPAT,
+        engine_id="c",
+        agent_name="c",
+        id_prefix="c:1:",
+    )
+    return bus, clock
+
+
+def sent_request(bus: EventBus) -> XferReq:
+    effects(bus)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "send")
+    (effect,) = effects(bus)
+    assert isinstance(effect, SendXferReq)
+    assert (effect.peer_host, effect.peer_port) == ("p.host", 5601)
+    return effect.req
+
+
+def granted(req: XferReq) -> XferAck:
+    return grant_ack(
+        req,
+        producer_agent_name="agent-p",
+        producer_agent_metadata=b"nixl-md",
+        block_indices=[7, 8, 9],
+        block_size_bytes=8,
+        size_bytes=24,
+        region_base_addr=4096,
+        lease_s=30.0,
+    )
+
+
+def test_R_E07_xfer_req_then_read_then_done() -> None:
+    bus, _ = read_bus()
+    req = sent_request(bus)
+    assert (req.version, req.mm_hash, req.num_blocks, req.size_bytes) == (1, "h", 3, 24)
+    assert req.compat_hash == COMPAT and req.transfer_id == "c:1:1"
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(req))
+    (read,) = effects(bus)
+    assert isinstance(read, IssueRead)
+    assert read.src_blocks == (7, 8, 9) and read.dst_blocks == (4, 5, 6)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "read_done")
+    out = effects(bus)
+    assert out[0] == Emit(ENTRY_KIND, "h", "saved")
+    assert isinstance(out[1], SendXferDone) and out[1].done.ok
+    assert bus.get(CONSUMER_READ_KIND, "h") is None
+
+
+def test_R_E11_read_uses_the_agent_metadata_carried_by_the_ack() -> None:
+    bus, _ = read_bus()
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus)))
+    (read,) = effects(bus)
+    assert isinstance(read, IssueRead)
+    assert read.producer_agent_name == "agent-p"
+    assert read.producer_agent_metadata == b"nixl-md"
+    assert read.remote_base_addr == 4096
+
+
+def test_R_E08_not_ready_retries_without_failure_and_keeps_blocks_B04() -> None:
+    bus, _ = read_bus()
+    req = sent_request(bus)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(req, XferStatus.NACK_NOT_READY))
+    inst = bus.get(CONSUMER_READ_KIND, "h")
+    assert inst is not None and inst.state == "retry_next_step"
+    out = effects(bus)
+    assert RetryNextStep("h") in out
+    assert not any(isinstance(e, FallBackLocal) for e in out), "no failure recorded"
+    assert not any(isinstance(e, Emit) and e.event == "discard" for e in out), "blocks kept"
+    assert inst.ctx.dest_blocks == (4, 5, 6)
+    again = sent_request(bus)
+    assert again.transfer_id == "c:1:2" and again.num_blocks == 3
+    assert bus.metrics.get("ec.consumer.not_ready") == 1.0
+
+
+@pytest.mark.parametrize("status", sorted(NACKS - RETRYABLE_NACKS))
+def test_R_E08_every_other_nack_falls_back_and_frees_the_destination(status: XferStatus) -> None:
+    bus, _ = read_bus()
+    req = sent_request(bus)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(req, status))
+    assert bus.get(CONSUMER_READ_KIND, "h") is None
+    assert effects(bus)[:2] == [Emit(ENTRY_KIND, "h", "discard"), FallBackLocal("h", str(status))]
+
+
+def test_R_E08_classification_comes_from_retryable_nacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvhandoff.protocol.ec_status as status_module
+
+    monkeypatch.setattr(
+        status_module,
+        "RETRYABLE_NACKS",
+        frozenset({XferStatus.NACK_NOT_READY, XferStatus.NACK_INTERNAL}),
+    )
+    bus, _ = read_bus()
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(sent_request(bus), XferStatus.NACK_INTERNAL))
+    assert bus.get(CONSUMER_READ_KIND, "h").state == "retry_next_step"  # type: ignore[union-attr]
+
+
+def test_R_E08_not_ready_retries_are_bounded_by_config() -> None:
+    bus, _ = read_bus(consumer_max_not_ready_retries=2)
+    for _ in range(2):
+        bus.dispatch(
+            CONSUMER_READ_KIND, "h", "ack", nack(sent_request(bus), XferStatus.NACK_NOT_READY)
+        )
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(sent_request(bus), XferStatus.NACK_NOT_READY))
+    assert bus.get(CONSUMER_READ_KIND, "h") is None
+    assert FallBackLocal("h", "NACK_NOT_READY") in effects(bus)
+
+
+def test_R_E12_ack_timeout_falls_back_after_consumer_ack_timeout_s() -> None:
+    bus, clock = read_bus(consumer_ack_timeout_s=2.0)
+    sent_request(bus)
+    assert bus.deadline_of(CONSUMER_READ_KIND, "h") == 2.0
+    clock.advance(1.9)
+    assert bus.fire_due() == 0
+    clock.advance(0.2)
+    assert bus.fire_due() == 1
+    assert bus.get(CONSUMER_READ_KIND, "h") is None
+    assert effects(bus)[:2] == [Emit(ENTRY_KIND, "h", "discard"), FallBackLocal("h", "ack_timeout")]
+
+
+def test_R_E12_read_timeout_quarantines_60s_without_eviction() -> None:
+    bus, clock = read_bus()
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus)))
+    effects(bus)
+    clock.advance(20.0)
+    bus.fire_due()
+    inst = bus.get(CONSUMER_READ_KIND, "h")
+    assert inst is not None and inst.state == "quarantined"
+    out = effects(bus)
+    assert FallBackLocal("h", "read_timeout") in out, "the request falls back at once"
+    assert not any(isinstance(e, Emit) and e.event == "discard" for e in out)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "read_done")  # a late completion is ignored
+    assert inst.state == "quarantined" and bus.counters(CONSUMER_READ_KIND).ignored == 1
+    clock.advance(59.9)
+    assert bus.fire_due() == 0
+    clock.advance(0.1)
+    bus.fire_due()
+    assert bus.get(CONSUMER_READ_KIND, "h") is None
+    assert effects(bus) == [Emit(ENTRY_KIND, "h", "discard")]
+
+
+def test_R_E08_peer_disconnect_falls_back_before_the_read_and_quarantines_during() -> None:
+    bus, _ = read_bus()
+    sent_request(bus)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "peer_disconnected")
+    assert FallBackLocal("h", "peer_disconnected") in effects(bus)
+    bus2, _ = read_bus()
+    bus2.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus2)))
+    bus2.dispatch(CONSUMER_READ_KIND, "h", "peer_disconnected")
+    assert bus2.get(CONSUMER_READ_KIND, "h").state == "quarantined"  # type: ignore[union-attr]
+
+
+def test_R_E08_read_failure_falls_back_and_tells_the_producer() -> None:
+    bus, _ = read_bus()
+    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus)))
+    effects(bus)
+    bus.dispatch(CONSUMER_READ_KIND, "h", "read_failed")
+    out = effects(bus)
+    assert isinstance(out[0], SendXferDone) and not out[0].done.ok
+    assert FallBackLocal("h", "read_failed") in out
+
+
+# -- producer grant ----------------------------------------------------------------------
+
+
+def grant_bus(**config: float) -> tuple[EventBus, VirtualClock]:
+    clock = VirtualClock()
+    bus = isolated_bus(clock)
+    bus.register(EC_PRODUCER_GRANT, config or None)
+    return bus, clock
+
+
+def a_request(**overrides: Any) -> XferReq:
+    fields: dict[str, Any] = {
+        "version": EC_CONNECTOR_VERSION,
+        "transfer_id": "t1",
+        "mm_hash": "h",
+        "compat_hash": COMPAT,
+        "consumer_engine_id": "c",
+        "consumer_agent_name": "c",
+        "num_blocks": 2,
+        "size_bytes": 16,
+    }
+    fields.update(overrides)
+    return XferReq(**fields)
+
+
+def answer(bus: EventBus, req: XferReq, state: str | None, *, agent: bool = True) -> XferAck:
+    key = (b"peer", req.transfer_id)
+    bus.create(
+        GRANT_KIND,
+        key,
+        peer=b"peer",
+        mm_hash=req.mm_hash,
+        agent_name="agent-p" if agent else "",
+        agent_metadata=b"md" if agent else b"",
+        region_base_addr=4096,
+        block_size_bytes=8,
+    )
+    check = GrantCheck(req, COMPAT, state, (3, 4) if state else (), 16 if state else 0)
+    bus.dispatch(GRANT_KIND, key, "check", check)
+    acks = [e for e in effects(bus) if isinstance(e, SendXferAck)]
+    assert len(acks) == 1 and acks[0].peer == b"peer"
+    return acks[0].ack
+
+
+@pytest.mark.parametrize(
+    ("req", "state", "status"),
+    [
+        (a_request(version=2, compat_hash="x"), None, XferStatus.NACK_VERSION),
+        (a_request(compat_hash="other"), None, XferStatus.NACK_INCOMPAT),
+        (a_request(), None, XferStatus.NACK_MISSING),
+        (a_request(size_bytes=24, num_blocks=3), "ready", XferStatus.NACK_MISSING),
+        (a_request(), "allocated", XferStatus.NACK_NOT_READY),
+        (a_request(), "ready", XferStatus.OK),
+        (a_request(), "pinned", XferStatus.OK),
+    ],
+)
+def test_R_E09_R_E10_checks_version_then_compat_then_presence_then_readiness(
+    req: XferReq, state: str | None, status: XferStatus
+) -> None:
+    bus, _ = grant_bus()
+    assert answer(bus, req, state).status is status
+    protocol_says = check_xfer_req(req, expected_hash=COMPAT)
+    if protocol_says is not None:
+        assert protocol_says is status, "the machine agrees with the protocol's own check"
+
+
+def test_R_E09_no_registered_agent_is_nack_internal() -> None:
+    bus, _ = grant_bus()
+    assert answer(bus, a_request(), "ready", agent=False).status is XferStatus.NACK_INTERNAL
+
+
+def test_R_E11_grant_carries_agent_metadata_and_source_blocks_and_pins() -> None:
+    bus, _ = grant_bus()
+    key = (b"peer", "t1")
+    bus.create(
+        GRANT_KIND,
+        key,
+        peer=b"peer",
+        mm_hash="h",
+        agent_name="agent-p",
+        agent_metadata=b"md",
+        region_base_addr=4096,
+        block_size_bytes=8,
+    )
+    bus.dispatch(GRANT_KIND, key, "check", GrantCheck(a_request(), COMPAT, "ready", (3, 4), 16))
+    out = effects(bus)
+    assert out[0] == Emit(ENTRY_KIND, "h", "pin")
+    ack = out[1].ack  # type: ignore[attr-defined]
+    assert ack.status is XferStatus.OK
+    assert (ack.producer_agent_name, ack.producer_agent_metadata) == ("agent-p", b"md")
+    assert (ack.block_indices, ack.region_base_addr, ack.lease_s) == ([3, 4], 4096, 30.0)
+
+
+def test_R_E12_pin_lease_releases_an_unclaimed_grant_after_30s() -> None:
+    bus, clock = grant_bus()
+    answer(bus, a_request(), "ready")
+    key = (b"peer", "t1")
+    assert bus.deadline_of(GRANT_KIND, key) == 30.0
+    clock.advance(30.0)
+    bus.fire_due()
+    assert bus.get(GRANT_KIND, key) is None
+    assert effects(bus)[0] == Emit(ENTRY_KIND, "h", "unpin", False)
+
+
+def test_R_E12_xfer_done_unpins_before_the_lease_and_marks_consumed() -> None:
+    bus, _ = grant_bus()
+    answer(bus, a_request(), "ready")
+    bus.dispatch(GRANT_KIND, (b"peer", "t1"), "peer_disconnected")  # ignored: lease decides
+    bus.dispatch(GRANT_KIND, (b"peer", "t1"), "xfer_done", True)
+    assert effects(bus) == [Emit(ENTRY_KIND, "h", "unpin", True)]
+
+
+# -- request availability ----------------------------------------------------------------
+
+
+def test_B05_lost_announced_encoding_with_rewritten_media_fails_cleanly() -> None:
+    bus = isolated_bus()
+    bus.register(EC_REQUEST)
+    bus.create(REQUEST_KIND, "r1", metadata_only=frozenset({"h"}))
+    bus.dispatch(REQUEST_KIND, "r1", "hold", "other")
+    bus.dispatch(REQUEST_KIND, "r1", "fall_back", ("h", "NACK_MISSING"))
+    inst = bus.get(REQUEST_KIND, "r1")
+    assert inst is not None and inst.state == "failed"
+    out = effects(bus)
+    assert isinstance(out[1], FailRequest) and out[1].request_id == "r1"
+    assert "NACK_MISSING" in out[1].reason and "metadata-only" in out[1].reason
+    assert Emit(ENTRY_KIND, "other", "unpin") in out, "its holds are released"
+    bus.dispatch(REQUEST_KIND, "r1", "finished")
+    assert bus.get(REQUEST_KIND, "r1") is None
+
+
+def test_B05_lost_encoding_with_media_falls_back_locally() -> None:
+    bus = isolated_bus()
+    bus.register(EC_REQUEST)
+    inst = bus.create(REQUEST_KIND, "r1", metadata_only=frozenset())
+    bus.dispatch(REQUEST_KIND, "r1", "fall_back", ("h", "NACK_MISSING"))
+    bus.dispatch(REQUEST_KIND, "r1", "available")
+    assert inst.state == "available" and inst.ctx.local == {"h": "NACK_MISSING"}
+
+
+# -- worker region -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("writer", [True, False])
+def test_R_E03_shutdown_closes_and_only_the_owner_unlinks(writer: bool) -> None:
+    bus = EventBus(VirtualClock())
+    bus.register(EC_WORKER_REGION)
+    bus.create(REGION_KIND, "r", writer=writer)
+    bus.dispatch(REGION_KIND, "r", "register", 4096)
+    bus.dispatch(REGION_KIND, "r", "shutdown")
+    assert effects(bus) == [CloseRegion(unlink=writer)]

@@ -1,0 +1,237 @@
+"""Push mode over real NIXL (UCX, DRAM) and real ZMQ, between two OS processes.
+
+The test process runs one side as a `LivePushInstance` and steps its engine loop itself;
+the other side is a `kvhandoff run prefill|decode` child. Both derive the same request
+list from the seed. Every wait is bounded polling of the engine step, never a sleep used
+as synchronisation; every deadline is the protocol's own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from kvhandoff.adapters.nixl_agent import NixlTransferError
+from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+from kvhandoff.demo.kv_memory import KVShape
+from kvhandoff.demo.launcher import RoleProcess, collect, go, start_role, wait_ready
+from kvhandoff.demo.push_instance import LivePushInstance
+from kvhandoff.demo.push_role import DemoRequest, demo_requests
+from kvhandoff.machines.push_p_lease import KIND as P_KIND
+from kvhandoff.protocol.push_config import PushConfig
+
+pytestmark = pytest.mark.integration
+
+SHAPE = KVShape()  # the shape `kvhandoff run` uses, so compatibility hashes agree
+SEED = 11
+
+
+def poll_until(step: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Step until `step()` is true; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not step():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)  # yield the CPU to the peer process between engine steps
+
+
+def child(role: str, *args: str, config: dict[str, Any] | None = None) -> RoleProcess:
+    argv = ["run", role, "--seed", str(SEED), "--config", json.dumps(config or {}), *args]
+    proc = start_role(role, argv)
+    wait_ready(proc, 60.0)
+    return proc
+
+
+def child_summary(proc: RoleProcess, timeout_s: float = 60.0) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    collect([proc], timeout_s, lambda _role, event: events.append(event))
+    summaries = [e for e in events if e["event"] == "summary"]
+    assert summaries, f"no summary from {proc.name}: {proc.stderr_tail[-5:]}"
+    summary = summaries[-1]
+    summary["events"] = events
+    return summary
+
+
+class Prefill:
+    """The test's P side: finishes the seeded requests when told to."""
+
+    def __init__(self, live: LivePushInstance, requests: Sequence[DemoRequest]) -> None:
+        self.live = live
+        self.requests = list(requests)
+        self.blocks: dict[str, list[int]] = {}
+        self.sent: set[str] = set()
+
+    def finish_all(self) -> None:
+        for req in self.requests:
+            rid = f"{req.client_id}-aaaa0000"
+            blocks = self.live.memory.allocate(req.num_blocks)
+            self.live.memory.fill(req.client_id, blocks)
+            self.blocks[rid] = blocks
+            self.live.side.scheduler.request_finished(rid, blocks, {"do_remote_decode": True})
+
+    def step(self) -> None:
+        self.sent |= self.live.step().finished_sending
+
+    def all_sent(self) -> bool:
+        self.step()
+        return self.sent == set(self.blocks)
+
+
+@pytest.fixture
+def prefill_factory() -> Iterator[Callable[..., LivePushInstance]]:
+    made: list[LivePushInstance] = []
+
+    def make(**kwargs: Any) -> LivePushInstance:
+        kwargs.setdefault("shape", SHAPE)
+        live = LivePushInstance("prefill", "prefill-0", **kwargs)
+        made.append(live)
+        return live
+
+    yield make
+    for live in made:
+        live.close()
+
+
+def _decode_child(p: LivePushInstance, n: int, *extra: str, **kw: Any) -> RoleProcess:
+    return child(
+        "decode",
+        "--peer",
+        f"127.0.0.1:{p.port}",
+        "--peer-engine-id",
+        "prefill-0",
+        "--requests",
+        str(n),
+        "--deadline",
+        "40",
+        *extra,
+        **kw,
+    )
+
+
+def test_R_P04_R_P05_registrations_first_then_blocks(prefill_factory: Any) -> None:
+    """PUSH_REGs wait on P's writer; blocks arrive later; the first WRITE replays after the
+    P->D handshake; D verifies every byte."""
+    p = prefill_factory()
+    d = _decode_child(p, 6, "--per-step", "100", "--wait-go")
+    go([d])
+    prefill = Prefill(p, demo_requests(6, SEED))
+    pending = p.side.writer.pending_d_registrations
+    poll_until(lambda: (prefill.step(), len(pending) == 6)[1], 40, "six pending PUSH_REGs")
+    prefill.finish_all()
+    poll_until(prefill.all_sent, 40, "every lease finished_sending")
+    summary = child_summary(d)
+    assert (summary["verified"], summary["failed"]) == (6, 0)
+    taken = {edge for edge in p.side.bus.machine(P_KIND).taken_edges()}
+    assert ("matched", "handshake_started", "awaiting_handshake") in taken
+    assert ("awaiting_handshake", "handshake_done", "matched") in taken
+
+
+def test_R_P04_R_P07_blocks_first_then_registrations(prefill_factory: Any) -> None:
+    """Finished blocks wait unmatched while the writer self-polls; PUSH_REGs match later."""
+    p = prefill_factory()
+    prefill = Prefill(p, demo_requests(5, SEED))
+    prefill.finish_all()
+    waiting = p.side.writer.push_finished_blocks
+    poll_until(lambda: (prefill.step(), len(waiting) == 5)[1], 20, "five staged requests")
+    assert p.side.self_poll_interval_s == pytest.approx(0.001), "self-poll armed (R-P07)"
+    d = _decode_child(p, 5, "--per-step", "2")
+    poll_until(prefill.all_sent, 40, "every lease finished_sending")
+    assert p.side.self_poll_interval_s is None, "self-poll disarmed once all matched"
+    summary = child_summary(d)
+    assert (summary["verified"], summary["failed"]) == (5, 0)
+
+
+class FailingWriteTransport(NixlPushTransport):
+    """Fails the WRITE whose completion notif names `victim` (a fault injector)."""
+
+    victim = ""
+
+    def write_blocks(self, engine_id: str, local: Any, remote: Any, notif: bytes) -> Any:
+        if notif.decode().startswith(self.victim):
+            raise NixlTransferError("write", "injected post failure")
+        return super().write_blocks(engine_id, local, remote, notif)
+
+
+def test_B06_R_P12_write_submit_failure_fails_d_at_once(prefill_factory: Any) -> None:
+    requests = demo_requests(4, SEED)
+    FailingWriteTransport.victim = requests[1].client_id
+    p = prefill_factory(transport_factory=FailingWriteTransport)
+    d = _decode_child(p, 4)
+    prefill = Prefill(p, requests)
+    prefill.finish_all()
+    # Three leases are pushed; the victim's lease waits for expiry (R-P12: no failed recv on P).
+    poll_until(lambda: (prefill.step(), len(prefill.sent) == 3)[1], 40, "three pushes")
+    summary = child_summary(d)
+    failed = [e for e in summary["events"] if e["event"] == "failed"]
+    assert (summary["verified"], summary["failed"]) == (3, 1)
+    assert failed[0]["client"] == requests[1].client_id
+    assert "injected post failure" in failed[0]["reason"], "D failed on P's notif (B-06)"
+    assert p.side.failed_transfers == 1
+
+
+def test_R_P11_B07_unclaimed_leases_are_reaped(prefill_factory: Any) -> None:
+    """No D ever registers: every lease expires, is reported finished_sending and evicted."""
+    p = prefill_factory(config=PushConfig(kv_lease_duration=0.5))
+    prefill = Prefill(p, demo_requests(3, SEED))
+    prefill.finish_all()
+    poll_until(prefill.all_sent, 20, "leases reaped")
+    assert p.side.bus.metrics.get("push.p.lease_expired") == 3
+    poll_until(lambda: not p.side.writer.push_finished_blocks, 5, "writer tables evicted")
+    assert p.side.self_poll_interval_s is None
+    assert not p.side.scheduler.has_pending_push_work()
+
+
+def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
+    """D registers with a P that never finishes: the watchdog drops every registration."""
+    with (
+        LivePushInstance("prefill", "prefill-0", shape=SHAPE) as p,
+        LivePushInstance(
+            "decode", "decode-0", shape=SHAPE, config=PushConfig(push_registration_timeout=1.0)
+        ) as d,
+    ):
+        from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+
+        leg = decode_leg({}, PrefillCoordinates("prefill-0", "127.0.0.1", p.port, 1))
+        for i in range(3):
+            blocks = d.memory.allocate(2)
+            d.side.scheduler.update_state_after_alloc(
+                f"cmpl-wd{i}-0-bbbb0000", blocks, leg["kv_transfer_params"]
+            )
+
+        def dropped() -> bool:
+            p.step()
+            d.step()
+            return d.side.bus.metrics.get("push.d.watchdog_expired") == 3
+
+        poll_until(dropped, 20, "three watchdog expiries")
+        assert len(p.side.writer.pending_d_registrations) == 3, "P holds them until its TTL"
+        assert not d.side.scheduler.has_pending_push_work()
+
+
+class SlowHandshakeTransport(NixlPushTransport):
+    """Stalls the P->D handshake (a slow network), so the push outlives the lease."""
+
+    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
+        time.sleep(2.0)  # simulated network stall inside the fault injector
+        return super().fetch_handshake(host, port, timeout_s)
+
+
+def test_R_P08_R_P15_heartbeats_keep_a_lease_alive(prefill_factory: Any) -> None:
+    p = prefill_factory(
+        transport_factory=SlowHandshakeTransport,
+        config=PushConfig(kv_lease_duration=1.0, kv_lease_extension=3.0),
+    )
+    d = _decode_child(p, 1, "--wait-go", config={"heartbeat_interval": 0.2})
+    prefill = Prefill(p, demo_requests(1, SEED))
+    prefill.finish_all()
+    go([d])
+    poll_until(prefill.all_sent, 40, "the push")
+    summary = child_summary(d)
+    assert summary["verified"] == 1
+    assert "push.p.lease_expired" not in p.side.bus.metrics
+    heartbeats = [r for r in p.side.bus.machine(P_KIND).routes if r.edge[1] == "heartbeat"]
+    assert sum(r.count for r in heartbeats) >= 2
