@@ -260,6 +260,10 @@ class NixlAgent:
         """Register `size` bytes of host memory at `addr`."""
         return self._register(addr, size, "DRAM", 0)
 
+    def register_vram(self, addr: int, size: int, device_id: int = 0) -> Registration:
+        """Register `size` bytes of GPU memory at device address `addr` on `device_id`."""
+        return self._register(addr, size, "VRAM", device_id)
+
     def register_tensor(self, tensor: torch.Tensor) -> Registration:
         """Register a contiguous tensor: DRAM for a CPU tensor, VRAM for a CUDA one."""
         if not tensor.is_contiguous():

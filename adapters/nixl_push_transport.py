@@ -67,9 +67,15 @@ class NixlPushTransport:
         self.layout: MemberLayout = derive_member_major_layout(
             regions, pp_size=pp_size, is_decoder=is_decoder
         )
+        if mem not in ("DRAM", "VRAM"):
+            raise LocalProtocolError(f"KV regions live in DRAM or VRAM, not {mem!r}")
         if register_memory:
             for alloc in self.layout.allocations:
-                agent.register_dram(alloc.base_addr, alloc.block_len * alloc.num_blocks)
+                size = alloc.block_len * alloc.num_blocks
+                if mem == "VRAM":
+                    agent.register_vram(alloc.base_addr, size, device_id)
+                else:
+                    agent.register_dram(alloc.base_addr, size)
         self._local = agent.prep_local_blocks(
             [(s.base_addr, s.block_len, s.num_blocks) for s in self.layout.slots],
             mem,  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ class EventBus:
         self._machines: dict[str, CompiledMachine] = {}
         self._index: dict[str, dict[Any, Instance]] = {}
         self._heap: list[list[Any]] = []
-        self._seq = itertools.count()  # ties between equal deadlines: arming order
+        self._serials = itertools.count()  # ties between equal deadlines: creation order
         self._compact_at = _MIN_COMPACT
         self._recorder: TransitionRecorder | None = None
         self._retire_hooks: list[Callable[[Instance], None]] = []
@@ -100,7 +100,7 @@ class EventBus:
         index = self._index[kind]
         if key in index:
             raise LocalProtocolError(f"machine {kind!r}: instance {key!r} already exists")
-        inst = Instance(machine, key, machine.new_context(fields))
+        inst = Instance(machine, key, machine.new_context(fields), next(self._serials))
         index[key] = inst
         machine.created += 1
         if machine.initial.timeout_seconds is not None:
@@ -157,22 +157,21 @@ class EventBus:
             else:
                 self._deliver(inst, event, payload)
             return
-        # The plain route: no guard, no action, not into a final state. Kept flat on
+        # The plain route: no guard, no action, not into a final state, no timeout carried
+        # over (it cancels the old timer and arms the new state's own). Kept flat on
         # purpose; `_step` is the general form of the same change.
         route.count += 1
         dest: Node = route.dest  # type: ignore[assignment]  # plain routes have a dest
         inst.node = dest
-        if route.keeps_timer:
-            return
         timer = inst.timer
         if timer is not None:
-            timer[2] = None
+            timer[2] = False
         seconds = dest.timeout_seconds
         if seconds is None:
             inst.timer = None
         else:
             heap = self._heap
-            entry = [self.clock() + seconds, next(self._seq), inst]
+            entry = [self.clock() + seconds, inst, True]
             heapq.heappush(heap, entry)
             inst.timer = entry
             if len(heap) > self._compact_at:
@@ -327,19 +326,19 @@ class EventBus:
     # -- timers --------------------------------------------------------------------------
 
     def _arm(self, inst: Instance, seconds: float) -> None:
-        entry = [self.clock() + seconds, next(self._seq), inst]
+        entry = [self.clock() + seconds, inst, True]
         heapq.heappush(self._heap, entry)
         inst.timer = entry
         if len(self._heap) > self._compact_at:
             self._compact()
 
     def _cancel(self, inst: Instance, timer: list[Any]) -> None:
-        timer[2] = None
+        timer[2] = False
         inst.timer = None
 
     def _compact(self) -> None:
         """Drop cancelled entries once they could outnumber the live ones."""
-        self._heap = [entry for entry in self._heap if entry[2] is not None]
+        self._heap = [entry for entry in self._heap if entry[2]]
         heapq.heapify(self._heap)
         self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))
 
@@ -350,7 +349,7 @@ class EventBus:
     def next_deadline(self) -> float | None:
         """The earliest armed deadline, or None when no timer is armed."""
         heap = self._heap
-        while heap and heap[0][2] is None:
+        while heap and not heap[0][2]:
             heapq.heappop(heap)
         return float(heap[0][0]) if heap else None
 
@@ -360,9 +359,8 @@ class EventBus:
         heap = self._heap
         fired = 0
         while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            inst = entry[2]
-            if inst is None:
+            _deadline, inst, live = heapq.heappop(heap)
+            if not live:
                 continue
             inst.timer = None
             trigger = inst.node.timeout_trigger

@@ -87,10 +87,11 @@ class Route:
 class Instance:
     """One live lifecycle: a slotted record shared-nothing with its siblings."""
 
-    __slots__ = ("busy", "ctx", "key", "machine", "node", "queue", "timer")
+    __slots__ = ("busy", "ctx", "key", "machine", "node", "queue", "serial", "timer")
 
-    def __init__(self, machine: CompiledMachine, key: Any, ctx: Any) -> None:
+    def __init__(self, machine: CompiledMachine, key: Any, ctx: Any, serial: int = 0) -> None:
         self.machine = machine
+        self.serial = serial
         self.key = key
         self.ctx = ctx
         self.node = machine.initial
@@ -101,6 +102,10 @@ class Instance:
     @property
     def state(self) -> str:
         return self.node.name
+
+    def __lt__(self, other: Instance) -> bool:
+        """Orders timer-heap entries with equal deadlines: creation order."""
+        return self.serial < other.serial
 
     @property
     def kind(self) -> str:
@@ -165,8 +170,13 @@ class CompiledMachine:
     def set_fast_path(self, enabled: bool) -> None:
         """Let plain routes skip the general step (off while transitions are recorded)."""
         for route in self.routes:
+            dest = route.dest
             route.plain = (
-                enabled and route.dest is not None and route.action is None and not route.dest.final
+                enabled
+                and dest is not None
+                and route.action is None
+                and not dest.final
+                and not route.keeps_timer
             )
 
     # -- counters ----------------------------------------------------------------------

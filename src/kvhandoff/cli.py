@@ -40,6 +40,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"bytes per live instance: {result['bytes_per_instance']}")
         print(json.dumps(result) if args.json else "")
         return 0
+    if args.what == "push":
+        from kvhandoff.bench_push import config_for, run_push_bench
+
+        push = run_push_bench(config_for(args.device, args.quick), _progress)
+        for note in push["notes"]:
+            print(f"push bench: {note}", file=sys.stderr)
+        ok = push["framework_verified"] and push["baseline_verified"]
+        if not args.json:
+            print(
+                f"push on {push['device']}: {push['bytes'] / 2**20:.0f} MiB as "
+                f"{push['requests']} requests x {push['regions']} regions x "
+                f"{push['blocks_per_request']} blocks of {push['block_len']} B"
+            )
+            print(f"framework: {push['framework_gbps']} GB/s (median)")
+            print(f" baseline: {push['baseline_gbps']} GB/s (median, one descriptor)")
+            print(f"    ratio: {push['ratio']}{'' if ok else '  (bytes NOT verified)'}")
+        print(json.dumps(push) if args.json else "")
+        return 0 if ok else 1
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -87,9 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     diagrams.set_defaults(func=_cmd_diagrams)
 
     bench = sub.add_parser("bench", help="benchmarks, as ratios against same-run baselines")
-    bench.add_argument("what", choices=["dispatch"])
+    bench.add_argument("what", choices=["dispatch", "push"])
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
+    bench.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="push: where the KV lives"
+    )
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="the main job: real processes over NIXL and ZMQ")

@@ -101,6 +101,8 @@ class Sim:
         producer_role: ECRole = "ec_producer",
         consumer_role: ECRole = "ec_consumer",
         eviction_observer: Callable[[Engine, str, list[Any]], None] | None = None,
+        on_engine: Callable[[Engine], None] | None = None,
+        ack_observer: Callable[[str, Any, str, str], None] | None = None,
     ) -> None:
         self.rng = random.Random(seed)
         self.clock = VirtualClock()
@@ -109,6 +111,8 @@ class Sim:
         self.read_delay = read_delay
         self.machine_config = machine_config or {}
         self.eviction_observer = eviction_observer
+        self.on_engine = on_engine
+        self.ack_observer = ack_observer
         self._events: list[_Event] = []
         self._seq = itertools.count()
         self._link_last = {"to_producer": 0.0, "to_consumer": 0.0}
@@ -167,6 +171,8 @@ class Sim:
         bus.handle(IssueRead, lambda inst, e: self._issue_read(engine, e))
         bus.handle(EncodingEvicted, lambda inst, e: engine.evicted.append(e))
         worker.bus.handle(CopyBlocks, lambda inst, e: self._copy(engine, e))
+        if self.on_engine is not None:
+            self.on_engine(engine)
         return engine
 
     def restart_producer(self) -> None:
@@ -242,13 +248,20 @@ class Sim:
     def _deliver_to_consumer(self, epoch: int, data: bytes) -> None:
         if epoch != self._link_epoch:
             return
-        data = self._fault_ack(data)
+        data, status, mm_hash = self._fault_ack(data)
+        consumer = self.consumer.scheduler.consumer
+        assert consumer is not None
+        read = consumer.read(mm_hash)
+        before = "" if read is None else read.state
         try:
             self.consumer.scheduler.on_xfer_ack(data, peer="producer")
         except RemoteProtocolError as exc:
             self.remote_errors.append(f"consumer: {exc}")
+        if self.ack_observer is not None and read is not None:
+            self.ack_observer(status, read, before, read.state)
 
-    def _fault_ack(self, data: bytes) -> bytes:
+    def _fault_ack(self, data: bytes) -> tuple[bytes, str, str]:
+        """The ack as delivered (maybe replaced by an armed fault), its status, its mm_hash."""
         from kvhandoff.protocol.ec_status import XferStatus
         from kvhandoff.protocol.ec_wire import XferAck, decode_xfer_ack
 
@@ -256,7 +269,7 @@ class Sim:
         if self.ack_faults:
             fault = self.ack_faults.pop(0)
             if fault == "garbage":
-                return b"\xc1garbage"
+                return b"\xc1garbage", "garbage", ack.mm_hash
             version = 99 if fault == "NACK_VERSION" else ack.version
             status = XferStatus.NACK_INTERNAL if fault == "NACK_VERSION" else XferStatus(fault)
             ack = XferAck(version, ack.transfer_id, ack.mm_hash, status, "")
@@ -264,9 +277,9 @@ class Sim:
             if version == 99:
                 status = XferStatus.NACK_VERSION
             self.delivered_acks.append((ack.mm_hash, ack.transfer_id, str(status)))
-            return data
+            return data, str(status), ack.mm_hash
         self.delivered_acks.append((ack.mm_hash, ack.transfer_id, str(ack.status)))
-        return data
+        return data, str(ack.status), ack.mm_hash
 
     def disconnect(self) -> None:
         """The link breaks: in-flight messages are lost and both ends are told."""
