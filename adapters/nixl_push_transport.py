@@ -181,6 +181,20 @@ class NixlPushTransport:
         )
         return self.agent.write(self._local, local_idx, peer.prepped, remote_idx, notif)
 
+    def read_blocks(
+        self,
+        engine_id: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes,
+    ) -> TransferHandle:
+        peer = self._peer(engine_id)
+        local_idx = self._local.layout.indices_for_blocks(local_block_ids)
+        remote_idx = peer.prepped.layout.indices_for_blocks(
+            remote_block_ids, regions=peer.route.regions
+        )
+        return self.agent.read(self._local, local_idx, peer.prepped, remote_idx, notif)
+
     def poll(self, handle: TransferHandle) -> XferState:
         assert isinstance(handle, XferHandle)
         return self.agent.poll(handle)

@@ -30,12 +30,15 @@ from kvhandoff.machines.push_effects import (
     DisarmSelfPoll,
     DropRemoteAgent,
     EnqueueFinishedBlocks,
+    EnqueueRead,
     EnqueueRegistration,
     ForwardToMain,
+    IssueRead,
     IssueWrite,
     PollTransfer,
     QueueEviction,
     ReplayPush,
+    ReplayRead,
     ReplayRegistration,
     ReportToMain,
     SendHeartbeat,
@@ -43,9 +46,9 @@ from kvhandoff.machines.push_effects import (
     StartHandshake,
     WakeWriter,
 )
-from kvhandoff.machines.push_p_lease import KIND as P_KIND
 from kvhandoff.machines.push_scheduler import (
     LocalEngine,
+    Mode,
     PushConnectorOutput,
     PushScheduler,
     Role,
@@ -77,8 +80,10 @@ class PushSide:
         config: PushConfig | None = None,
         clock: Clock = real_clock,
         physical_blocks_per_logical: int = 1,
+        mode: Mode = "push",
     ) -> None:
         self.role = role
+        self.mode = mode
         self.engine = engine
         self.transport = transport
         self.config = config or PushConfig()
@@ -87,8 +92,8 @@ class PushSide:
         # Main thread.
         self.bus = EventBus(clock)
         register_push_machines(self.bus, self.config)
-        self.scheduler = PushScheduler(self.bus, role, engine, self.config)
-        self.worker = PushWorker(self.bus, role, engine, self.config)
+        self.scheduler = PushScheduler(self.bus, role, engine, self.config, mode)
+        self.worker = PushWorker(self.bus, role, engine, self.config, mode)
         self._sending_transfers: dict[str, TransferHandle] = {}
         # Writer thread.
         self.writer_bus = EventBus(clock)
@@ -105,6 +110,7 @@ class PushSide:
         self.finished_blocks_inbox: deque[tuple[str, tuple[int, ...]]] = deque()
         self.deferred_push_inbox: deque[ReplayPush] = deque()
         self.evict_finished_inbox: deque[str] = deque()
+        self.pull_read_inbox: deque[ReplayRead] = deque()  # pull mode (B-09)
         self.handshake_results: deque[HandshakeResult] = deque()
         self.pending_completion_notifs: deque[WriterItem] = deque()
         self._posted_transfers: deque[tuple[str, TransferHandle]] = deque()
@@ -128,6 +134,12 @@ class PushSide:
         bus.handle(
             EnqueueFinishedBlocks,
             lambda _i, e: self.finished_blocks_inbox.append((e.request_id, e.block_ids)),
+        )
+        bus.handle(
+            EnqueueRead,
+            lambda _i, e: self.pull_read_inbox.append(
+                ReplayRead(e.request_id, e.source, e.block_ids)
+            ),
         )
         bus.handle(QueueEviction, lambda _i, e: self.evict_finished_inbox.append(e.request_id))
         bus.handle(WakeWriter, lambda _i, _e: self.wake.set())
@@ -154,9 +166,9 @@ class PushSide:
         self._release(handle)
         if state == "ERR":
             self.failed_transfers += 1
-        self.bus.dispatch(
-            P_KIND, effect.request_id, "write_done" if state == "DONE" else "write_error"
-        )
+        op = "write" if self.mode == "push" else "read"
+        outcome = "done" if state == "DONE" else "error"
+        self.bus.dispatch(self.worker.polled_kind, effect.request_id, f"{op}_{outcome}")
 
     def _release(self, handle: TransferHandle) -> None:
         try:
@@ -196,6 +208,9 @@ class PushSide:
         while self.deferred_push_inbox:
             writer.on_deferred_push(self.deferred_push_inbox.popleft())
             handled += 1
+        while self.pull_read_inbox:
+            writer.on_pull_read(self.pull_read_inbox.popleft())
+            handled += 1
         try:
             notifs = self.transport.get_new_notifs()
         except KvHandoffError as exc:
@@ -223,6 +238,11 @@ class PushSide:
         elif isinstance(effect, ReplayPush):
             self.deferred_push_inbox.append(effect)
             self.wake.set()
+        elif isinstance(effect, ReplayRead):
+            self.pull_read_inbox.append(effect)
+            self.wake.set()
+        elif isinstance(effect, IssueRead):
+            self._issue_read(effect)
         elif isinstance(effect, StartHandshake):
             self._start_handshake(effect)
         elif isinstance(effect, DropRemoteAgent):
@@ -268,6 +288,35 @@ class PushSide:
             return
         self._posted_transfers.append((effect.request_id, handle))
         self.pending_completion_notifs.append(ReportToMain(effect.request_id, "write_posted"))
+
+    def _issue_read(self, effect: IssueRead) -> None:
+        """Pull mode (B-09): READ P's blocks into D's; the notif tells P to free its lease."""
+        source = effect.source
+        peer = self.transport.peer(source.prefill.engine_id)
+        try:
+            if peer is None:
+                raise KvHandoffError(f"no connected agent for {source.prefill.engine_id}")
+            remote = expand_to_physical(source.block_ids, peer.physical_blocks_per_logical)
+            check_within_capacity(
+                source.request_id, remote, peer.capacity, engine_id=peer.engine_id
+            )
+            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
+            if len(local) != len(remote):
+                raise KvHandoffError(
+                    f"D holds {len(local)} physical blocks for {effect.request_id}, "
+                    f"P finished {len(remote)}"
+                )
+            notif = encode_completion_notif(source.request_id, self.engine.tp_size)
+            handle = self.transport.read_blocks(source.prefill.engine_id, local, remote, notif)
+        except KvHandoffError as exc:
+            log.warning("READ for %s failed to post: %s", effect.request_id, exc)
+            self.failed_transfers += 1
+            self.pending_completion_notifs.append(
+                ReportToMain(effect.request_id, "read_submit_failed")
+            )
+            return
+        self._posted_transfers.append((effect.request_id, handle))
+        self.pending_completion_notifs.append(ReportToMain(effect.request_id, "read_posted"))
 
     def _write_submit_failed(self, effect: IssueWrite, exc: KvHandoffError) -> None:
         """R-P12: count it, no failed-recv entry here; B-06: tell D so it fails at once."""

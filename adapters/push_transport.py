@@ -70,6 +70,17 @@ class PushTransport(Protocol):
         """WRITE local physical blocks into the peer's, in every routed region."""
         ...
 
+    def read_blocks(
+        self,
+        engine_id: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes,
+    ) -> TransferHandle:
+        """READ the peer's physical blocks into local ones, in every routed region (pull mode,
+        B-09); `notif` reaches the peer when the READ is done."""
+        ...
+
     def poll(self, handle: TransferHandle) -> XferState: ...
 
     def release(self, handle: TransferHandle) -> None: ...

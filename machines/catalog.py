@@ -13,11 +13,15 @@ from kvhandoff.machines.ec_copy_batch import EC_COPY_BATCH
 from kvhandoff.machines.ec_producer_grant import EC_PRODUCER_GRANT
 from kvhandoff.machines.ec_request import EC_REQUEST
 from kvhandoff.machines.ec_worker_region import EC_WORKER_REGION
+from kvhandoff.machines.pull_d_read import D_READ
+from kvhandoff.machines.pull_p_lease import PULL_P_LEASE
 from kvhandoff.machines.push_d_registration import D_REGISTRATION
 from kvhandoff.machines.push_handshake import HANDSHAKE
 from kvhandoff.machines.push_p_lease import P_LEASE
 
 PUSH_DECLARATIONS: tuple[Declaration, ...] = (D_REGISTRATION, P_LEASE, HANDSHAKE)
+
+PULL_DECLARATIONS: tuple[Declaration, ...] = (D_READ, PULL_P_LEASE)
 
 EC_DECLARATIONS: tuple[Declaration, ...] = (
     EC_CACHE_ENTRY,
@@ -28,4 +32,4 @@ EC_DECLARATIONS: tuple[Declaration, ...] = (
     EC_WORKER_REGION,
 )
 
-DECLARATIONS: tuple[Declaration, ...] = PUSH_DECLARATIONS + EC_DECLARATIONS
+DECLARATIONS: tuple[Declaration, ...] = PUSH_DECLARATIONS + PULL_DECLARATIONS + EC_DECLARATIONS

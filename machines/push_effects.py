@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvhandoff.protocol.legs import PullSource
 from kvhandoff.protocol.notifs import Notif
 from kvhandoff.protocol.push_wire import PushRegistration
 
@@ -177,3 +178,34 @@ class ArmSelfPoll:
 @dataclass(frozen=True, slots=True)
 class DisarmSelfPoll:
     """Nothing waits for a PUSH_REG any more: block on the wake event again (R-P07)."""
+
+
+# -- pull mode on the same base (B-09) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueRead:
+    """D worker: hand a pull read to the writer thread (it goes through the handshake)."""
+
+    request_id: str
+    source: PullSource
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRead:
+    """Handshake done: re-queue a deferred pull read on the pull-read inbox."""
+
+    request_id: str
+    source: PullSource
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IssueRead:
+    """D writer: NIXL READ P's blocks into D's, with completion notif to P; report
+    read_posted or read_submit_failed."""
+
+    request_id: str
+    source: PullSource
+    block_ids: tuple[int, ...]

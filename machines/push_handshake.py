@@ -25,6 +25,7 @@ from kvhandoff.machines.effects import Metric
 from kvhandoff.machines.push_effects import (
     DropRemoteAgent,
     ReplayPush,
+    ReplayRead,
     ReplayRegistration,
     ReportToMain,
     StartHandshake,
@@ -32,7 +33,7 @@ from kvhandoff.machines.push_effects import (
 
 KIND = "push.handshake"
 
-DeferredOp = ReplayRegistration | ReplayPush
+DeferredOp = ReplayRegistration | ReplayPush | ReplayRead
 
 
 @dataclass(slots=True)

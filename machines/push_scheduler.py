@@ -17,16 +17,30 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvhandoff.machines.bus import EventBus
+from kvhandoff.machines.pull_d_read import D_READ
+from kvhandoff.machines.pull_d_read import KIND as PULL_D_KIND
+from kvhandoff.machines.pull_p_lease import KIND as PULL_P_KIND
+from kvhandoff.machines.pull_p_lease import PULL_P_LEASE
 from kvhandoff.machines.push_d_registration import D_REGISTRATION
 from kvhandoff.machines.push_d_registration import KIND as D_KIND
 from kvhandoff.machines.push_p_lease import KIND as P_KIND
 from kvhandoff.machines.push_p_lease import P_LEASE
 from kvhandoff.protocol.errors import LocalProtocolError
-from kvhandoff.protocol.legs import prefill_coordinates
+from kvhandoff.protocol.legs import (
+    PrefillCoordinates,
+    PullSource,
+    prefill_coordinates,
+    pull_params,
+    pull_source,
+)
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
 
 Role = Literal["prefill", "decode"]
+Mode = Literal["push", "pull"]
+
+KINDS: dict[Mode, tuple[str, str]] = {"push": (D_KIND, P_KIND), "pull": (PULL_D_KIND, PULL_P_KIND)}
+"""(D lifecycle, P lifecycle) per transfer mode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +60,7 @@ class PushConnectorMeta:
 
     push_registrations: dict[str, PushRegistration] = field(default_factory=dict)
     push_finished_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    pull_reads: dict[str, PullSource] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -59,10 +74,10 @@ class PushConnectorOutput:
 
 
 def register_push_machines(bus: EventBus, config: PushConfig) -> None:
-    """Register the main-thread push lifecycles on `bus` under `config`."""
+    """Register the main-thread lifecycles of both modes on `bus` under `config`."""
     machine_config = config.machine_config()
-    bus.register(D_REGISTRATION, machine_config)
-    bus.register(P_LEASE, machine_config)
+    for decl in (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE):
+        bus.register(decl, machine_config)
 
 
 class PushScheduler:
@@ -72,11 +87,14 @@ class PushScheduler:
         role: Role,
         engine: LocalEngine,
         config: PushConfig | None = None,
+        mode: Mode = "push",
     ) -> None:
         self.bus = bus
         self.role = role
         self.engine = engine
         self.config = config or PushConfig()
+        self.mode = mode
+        self.d_kind, self.p_kind = KINDS[mode]
         self._push_pending_registrations: list[str] = []
         self._newly_finished_push_blocks: list[str] = []
 
@@ -87,6 +105,11 @@ class PushScheduler:
     ) -> None:
         """D: stash the registration of freshly allocated blocks; arm the watchdog (R-P02)."""
         self._require("decode", "update_state_after_alloc")
+        if self.mode == "pull":
+            source = pull_source(dict(kv_transfer_params))
+            self.bus.create(PULL_D_KIND, request_id, source=source, block_ids=tuple(block_ids))
+            self._push_pending_registrations.append(request_id)
+            return
         prefill = prefill_coordinates(dict(kv_transfer_params))
         registration = PushRegistration(
             request_id=request_id,
@@ -116,6 +139,17 @@ class PushScheduler:
         self._require("prefill", "request_finished")
         if not kv_transfer_params.get("do_remote_decode"):
             return False, None
+        if self.mode == "pull":
+            self.bus.create(
+                PULL_P_KIND,
+                request_id,
+                block_ids=tuple(block_ids),
+                lease_extension=self.config.kv_lease_extension,
+            )
+            here = PrefillCoordinates(
+                self.engine.engine_id, self.engine.host, self.engine.port, self.engine.tp_size
+            )
+            return True, pull_params(here, request_id, list(block_ids))
         self.bus.create(
             P_KIND,
             request_id,
@@ -132,9 +166,13 @@ class PushScheduler:
         self.bus.fire_due()
         meta = PushConnectorMeta()
         for request_id in self._push_pending_registrations:
-            inst = self.bus.get(D_KIND, request_id)
-            if inst is not None and inst.state == "stashed":
-                self.bus.dispatch(D_KIND, request_id, "drained")
+            inst = self.bus.get(self.d_kind, request_id)
+            if inst is None or inst.state not in ("stashed", "waiting"):
+                continue
+            self.bus.dispatch(self.d_kind, request_id, "drained")
+            if self.mode == "pull":
+                meta.pull_reads[request_id] = inst.ctx.source
+            else:
                 meta.push_registrations[request_id] = inst.ctx.registration
         for request_id in self._newly_finished_push_blocks:
             inst = self.bus.get(P_KIND, request_id)
@@ -146,17 +184,17 @@ class PushScheduler:
 
     def update_connector_output(self, output: PushConnectorOutput) -> None:
         """finished_sending clears P leases; finished_recving clears D watchdogs (R-P09)."""
-        self._confirm(P_KIND, output.finished_sending, "finished_sending")
-        self._confirm(D_KIND, output.finished_recving, "finished_recving")
+        self._confirm(self.p_kind, output.finished_sending, "finished_sending")
+        self._confirm(self.d_kind, output.finished_recving, "finished_recving")
 
     def has_pending_push_work(self) -> bool:
         """True while any push state is in flight on this side (R-P13)."""
-        return self.bus.live(D_KIND) > 0 or self.bus.live(P_KIND) > 0
+        return self.bus.live(self.d_kind) > 0 or self.bus.live(self.p_kind) > 0
 
     def abort(self, request_id: str) -> None:
         """D: the engine's request-level abort path ends a registration."""
-        if self.bus.get(D_KIND, request_id) is not None:
-            self.bus.dispatch(D_KIND, request_id, "abort")
+        if self.bus.get(self.d_kind, request_id) is not None:
+            self.bus.dispatch(self.d_kind, request_id, "abort")
 
     def _confirm(self, kind: str, request_ids: Iterable[str], event: str) -> None:
         for request_id in request_ids:

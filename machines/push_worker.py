@@ -31,7 +31,9 @@ from kvhandoff.machines.push_effects import (
 )
 from kvhandoff.machines.push_p_lease import KIND as P_KIND
 from kvhandoff.machines.push_scheduler import (
+    KINDS,
     LocalEngine,
+    Mode,
     PushConnectorMeta,
     PushConnectorOutput,
     Role,
@@ -54,11 +56,18 @@ class PushWorker:
         role: Role,
         engine: LocalEngine,
         config: PushConfig | None = None,
+        mode: Mode = "push",
     ) -> None:
         self.bus = bus
         self.role = role
         self.engine = engine
         self.config = config or PushConfig()
+        self.mode = mode
+        self.d_kind, self.p_kind = KINDS[mode]
+        # The side whose transfers get_finished polls: P's WRITEs (push), D's READs (pull).
+        self.polled_kind, self.polled_state = (
+            (self.p_kind, "writing") if mode == "push" else (self.d_kind, "reading")
+        )
         self.layout: MemberLayout | None = None
         self.rejected_notifs = 0
         self._warned_peers: set[str] = set()
@@ -87,7 +96,9 @@ class PushWorker:
             self.bus.dispatch(D_KIND, request_id, "enqueued")
         for request_id in meta.push_finished_blocks:
             self.bus.dispatch(P_KIND, request_id, "staged")
-        if meta.push_registrations or meta.push_finished_blocks:
+        for request_id in meta.pull_reads:
+            self.bus.dispatch(self.d_kind, request_id, "enqueued")
+        if meta.push_registrations or meta.push_finished_blocks or meta.pull_reads:
             self.bus.execute(WakeWriter())
         self._send_heartbeats()
 
@@ -96,10 +107,9 @@ class PushWorker:
         for item in writer_items:
             self._on_writer_item(item)
         self.bus.fire_due()
-        if self.role == "prefill":
-            for inst in self.bus.instances(P_KIND):
-                if inst.state == "writing":
-                    self.bus.dispatch(P_KIND, inst.key, "poll")
+        for inst in self.bus.instances(self.polled_kind):
+            if inst.state == self.polled_state:
+                self.bus.dispatch(self.polled_kind, inst.key, "poll")
         self.bus.execute(WakeWriter())
         output, self._output = self._output, PushConnectorOutput()
         return output
@@ -108,7 +118,7 @@ class PushWorker:
 
     def _on_writer_item(self, item: WriterItem) -> None:
         if isinstance(item, ReportToMain):
-            kind = P_KIND if self.role == "prefill" else D_KIND
+            kind = self.p_kind if self.role == "prefill" else self.d_kind
             if self.bus.get(kind, item.request_id) is not None:
                 self.bus.dispatch(kind, item.request_id, item.event)
             return
@@ -128,6 +138,12 @@ class PushWorker:
             unknown = self._heartbeat(notif.request_ids)
             if unknown:
                 raise RemoteProtocolError(f"heartbeat for unknown requests {unknown}", peer=peer)
+        elif isinstance(notif, CompletionNotif) and self.role == "prefill" and self.mode == "pull":
+            if self.bus.get(self.p_kind, notif.request_id) is None:
+                raise RemoteProtocolError(
+                    f"completion for unknown lease {notif.request_id!r}", peer=peer
+                )
+            self.bus.dispatch(self.p_kind, notif.request_id, "completion")
         elif isinstance(notif, CompletionNotif | WriteFailedNotif) and self.role == "decode":
             if self.bus.get(D_KIND, notif.request_id) is None:
                 raise RemoteProtocolError(
@@ -143,15 +159,16 @@ class PushWorker:
 
     def _heartbeat(self, request_ids: Sequence[str]) -> list[str]:
         """Extend the leases named by D's ids (exact, then base id); return the unknown ids."""
-        by_base = {get_base_request_id(inst.key): inst.key for inst in self.bus.instances(P_KIND)}
+        kind = self.p_kind
+        by_base = {get_base_request_id(inst.key): inst.key for inst in self.bus.instances(kind)}
         unknown = []
         for request_id in request_ids:
-            key = request_id if self.bus.get(P_KIND, request_id) else None
+            key = request_id if self.bus.get(kind, request_id) else None
             key = key or by_base.get(get_base_request_id(request_id))
             if key is None:
                 unknown.append(request_id)
             else:
-                self.bus.dispatch(P_KIND, key, "heartbeat")
+                self.bus.dispatch(kind, key, "heartbeat")
         return unknown
 
     def _send_heartbeats(self) -> None:
@@ -161,11 +178,21 @@ class PushWorker:
             return
         self._next_heartbeat = now + self.config.heartbeat_interval
         by_engine: dict[str, list[str]] = {}
-        for inst in self.bus.instances(D_KIND):
-            if inst.state == "sent":
-                by_engine.setdefault(inst.ctx.registration.remote_engine_id, []).append(inst.key)
+        for engine_id, request_id in self._awaited():
+            by_engine.setdefault(engine_id, []).append(request_id)
         for engine_id, request_ids in sorted(by_engine.items()):
             self.bus.execute(SendHeartbeat(engine_id, tuple(request_ids)))
+
+    def _awaited(self) -> Iterable[tuple[str, str]]:
+        """(P engine, id P knows) of every transfer D waits on while P holds a lease."""
+        if self.mode == "push":
+            for inst in self.bus.instances(D_KIND):
+                if inst.state == "sent":
+                    yield inst.ctx.registration.remote_engine_id, inst.key
+            return
+        for inst in self.bus.instances(self.d_kind):
+            if inst.state in ("queued", "awaiting_handshake", "reading"):
+                yield inst.ctx.source.prefill.engine_id, inst.ctx.source.request_id
 
     # -- reports to the engine -----------------------------------------------------------
 

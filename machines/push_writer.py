@@ -31,8 +31,10 @@ from kvhandoff.machines.push_effects import (
     DisarmSelfPoll,
     DropRemoteAgent,
     ForwardToMain,
+    IssueRead,
     IssueWrite,
     ReplayPush,
+    ReplayRead,
     ReplayRegistration,
     ReportToMain,
     SendPushReg,
@@ -71,6 +73,7 @@ class PushWriter:
             StartHandshake,
             ReplayRegistration,
             ReplayPush,
+            ReplayRead,
             DropRemoteAgent,
         ):
             bus.handle(effect_type, self._collect)
@@ -103,6 +106,13 @@ class PushWriter:
         reg = registration
         op = ReplayRegistration(request_id, reg)
         self._through_handshake(reg.remote_engine_id, reg.remote_host, reg.remote_port, op)
+
+    def on_pull_read(self, op: ReplayRead) -> None:
+        """D, pull mode (B-09): a read from the pull-read inbox (first pass or replay)."""
+        if get_base_request_id(op.request_id) in self._evicted:
+            return
+        prefill = op.source.prefill
+        self._through_handshake(prefill.engine_id, prefill.host, prefill.port, op)
 
     def on_finished_blocks(self, request_id: str, block_ids: tuple[int, ...]) -> None:
         """P: finished blocks from the finished-blocks inbox."""
@@ -250,4 +260,6 @@ def _proceed(op: DeferredOp) -> object:
     """The operation itself, once its peer is connected."""
     if isinstance(op, ReplayRegistration):
         return SendPushReg(op.request_id, op.registration)
+    if isinstance(op, ReplayRead):
+        return IssueRead(op.request_id, op.source, op.block_ids)
     return IssueWrite(op.request_id, op.block_ids, op.registration)

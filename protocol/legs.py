@@ -60,3 +60,45 @@ def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
     if not coords.engine_id or not coords.host or not 0 < coords.port < 65536 or coords.tp_size < 1:
         raise RemoteProtocolError(f"decode leg has invalid prefill coordinates {coords}")
     return coords
+
+
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """Pull mode (B-09): where D reads the KV from — P's coordinates, request and blocks."""
+
+    prefill: PrefillCoordinates
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+def pull_params(
+    prefill: PrefillCoordinates, request_id: str, block_ids: list[int]
+) -> dict[str, Any]:
+    """What P's request_finished returns in pull mode; the proxy puts it on the decode leg."""
+    return {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": prefill.host,
+        "remote_port": prefill.port,
+        "remote_tp_size": prefill.tp_size,
+        "remote_request_id": request_id,
+        "remote_block_ids": list(block_ids),
+    }
+
+
+def pull_source(params: dict[str, Any] | None, *, max_blocks: int = 65536) -> PullSource:
+    """Validate a pull-mode decode leg's params (they came over the wire)."""
+    prefill = prefill_coordinates(params)
+    assert params is not None
+    request_id = params.get("remote_request_id")
+    block_ids = params.get("remote_block_ids")
+    if not isinstance(request_id, str) or not request_id:
+        raise RemoteProtocolError("pull decode leg lacks remote_request_id")
+    if (
+        not isinstance(block_ids, list)
+        or len(block_ids) > max_blocks
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids)
+    ):
+        raise RemoteProtocolError("pull decode leg has malformed remote_block_ids")
+    return PullSource(prefill, request_id, tuple(block_ids))

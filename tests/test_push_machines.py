@@ -62,3 +62,21 @@ def test_R_P05_handshake_model() -> None:
         invariants=[replayed_or_deferred],
         max_examples=200,
     )
+
+
+def test_B09_pull_machines_model() -> None:
+    from kvhandoff.machines.pull_d_read import D_READ
+    from kvhandoff.machines.pull_p_lease import PULL_P_LEASE
+    from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
+
+    source = PullSource(PrefillCoordinates("P", "127.0.0.1", 5500, 1), "p-1", (1, 2))
+    run_model_test(
+        D_READ,
+        context=st.fixed_dictionaries({"source": st.just(source), "block_ids": st.just((3, 4))}),
+        max_examples=200,
+    )
+    run_model_test(
+        PULL_P_LEASE,
+        context=st.fixed_dictionaries({"block_ids": st.just((1, 2))}),
+        max_examples=100,
+    )
