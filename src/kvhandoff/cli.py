@@ -70,24 +70,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvhandoff.demo.push_demo import run_push_demo
+
     results: dict[str, object] = {}
     ok = True
     line = []
-    if args.what in ("push", "all"):
-        from kvhandoff.demo.push_demo import run_push_demo
-
-        push = run_push_demo(args.requests, args.seed, args.backend)
-        for failure in push["failures"]:
-            print(f"push failure: {failure}", file=sys.stderr)
-        ok &= push["verified"] == args.requests
+    modes = {"all": ("push", "pull", "ec")}.get(args.what, (args.what,))
+    for mode in ("push", "pull"):
+        if mode not in modes:
+            continue
+        run = run_push_demo(args.requests, args.seed, args.backend, mode=mode)
+        for failure in run["failures"]:
+            print(f"{mode} failure: {failure}", file=sys.stderr)
+        ok &= run["verified"] == args.requests
         if not args.json:
             print(
-                f"push: {push['verified']}/{args.requests} verified, "
-                f"P finish -> D receive p50 {push['p50_ms']} ms, p99 {push['p99_ms']} ms, "
-                f"{push['gbps']} GB/s"
+                f"{mode}: {run['verified']}/{args.requests} verified, "
+                f"P finish -> D receive p50 {run['p50_ms']} ms, p99 {run['p99_ms']} ms, "
+                f"{run['gbps']} GB/s"
             )
-        results["push"] = {k: push[k] for k in ("requests", "verified", "p50_ms", "p99_ms", "gbps")}
-        line.append(f"push {push['verified']}/{args.requests} verified")
+        results[mode] = {k: run[k] for k in ("requests", "verified", "p50_ms", "p99_ms", "gbps")}
+        line.append(f"{mode} {run['verified']}/{args.requests} verified")
     if args.json:
         print(json.dumps(results))
     elif ok:
@@ -114,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="the main job: real processes over NIXL and ZMQ")
-    demo.add_argument("what", nargs="?", default="all", choices=["push", "ec", "all"])
+    demo.add_argument("what", nargs="?", default="all", choices=["push", "pull", "ec", "all"])
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--seed", type=int, default=7)
     demo.add_argument("--backend", default="UCX", help="NIXL backend (B-03)")
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--per-step", type=int, default=4, help="requests started per engine step")
     run.add_argument("--wait-go", action="store_true", help="start after a line on stdin")
     run.add_argument("--config", default="{}", help="JSON object of push config overrides")
+    run.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
     run.set_defaults(func=_cmd_run)
     return parser
 

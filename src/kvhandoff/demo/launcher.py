@@ -80,6 +80,13 @@ def go(roles: Sequence[RoleProcess]) -> None:
         role.proc.stdin.flush()
 
 
+def relay(role: RoleProcess, message: dict[str, Any]) -> None:
+    """Send one JSON line to a role's stdin (the proxy relaying a leg)."""
+    assert role.proc.stdin is not None
+    role.proc.stdin.write(json.dumps(message) + "\n")
+    role.proc.stdin.flush()
+
+
 def collect(
     roles: Sequence[RoleProcess],
     timeout_s: float,

@@ -1,11 +1,17 @@
-"""`kvhandoff demo push`: P and D as two processes, every request pushed and verified."""
+"""`kvhandoff demo push|pull`: P and D as two processes, every request moved and verified.
+
+In push mode the launcher, standing in for the proxy, sends both legs at once. In pull
+mode (B-09) it sends the decode leg once P has finished the prefill, carrying the params
+P's `request_finished` returned (its request and block ids), as a disaggregating proxy
+does.
+"""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from kvhandoff.demo.launcher import collect, go, start_role, wait_ready
+from kvhandoff.demo.launcher import collect, go, relay, start_role, wait_ready
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -16,9 +22,19 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_push_demo(
-    requests: int, seed: int, backend: str = "UCX", timeout_s: float = 60.0
+    requests: int, seed: int, backend: str = "UCX", timeout_s: float = 60.0, mode: str = "push"
 ) -> dict[str, Any]:
-    common = ["--requests", str(requests), "--seed", str(seed), "--backend", backend, "--wait-go"]
+    common = [
+        "--mode",
+        mode,
+        "--requests",
+        str(requests),
+        "--seed",
+        str(seed),
+        "--backend",
+        backend,
+        "--wait-go",
+    ]
     prefill = start_role("prefill", ["run", "prefill", "--listen", "127.0.0.1:0", *common])
     ready = wait_ready(prefill, 30.0)
     decode = start_role(
@@ -48,13 +64,15 @@ def run_push_demo(
         kind = event["event"]
         if kind == "finished":
             finished[event["client"]] = (event["t"], event["bytes"])
+            if mode == "pull":
+                relay(decode, {"client": event["client"], "params": event["params"]})
         elif kind == "received":
             received[event["client"]] = event["t"]
             verified += bool(event["verified"])
             if not event["verified"]:
                 failures.append(f"{event['client']}: bytes differ")
             if len(received) % max(1, requests // 4) == 0 or len(received) == requests:
-                print(f"push: {len(received)}/{requests} received", file=sys.stderr, flush=True)
+                print(f"{mode}: {len(received)}/{requests} received", file=sys.stderr, flush=True)
         elif kind == "failed":
             failures.append(f"{event['client']}: {event['reason']}")
         elif kind == "summary":

@@ -17,7 +17,7 @@ from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
 from kvhandoff.demo.kv_memory import KVMemory, KVShape
-from kvhandoff.machines.push_scheduler import LocalEngine, PushConnectorOutput, Role
+from kvhandoff.machines.push_scheduler import LocalEngine, Mode, PushConnectorOutput, Role
 from kvhandoff.protocol.handshake import compatibility_hash
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -35,6 +35,7 @@ class LivePushInstance:
         config: PushConfig | None = None,
         shape: KVShape | None = None,
         transport_factory: TransportFactory = NixlPushTransport,
+        mode: Mode = "push",
     ) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         self.role = role
@@ -54,7 +55,7 @@ class LivePushInstance:
         self.executor = HandshakeExecutor()
         self.engine = LocalEngine(engine_id, listen_host, self.server.port)
         self.side = PushSide(
-            role, self.engine, self.transport, self.executor.submit, config=self.config
+            role, self.engine, self.transport, self.executor.submit, config=self.config, mode=mode
         )
         self.writer = PushWriterThread(self.side).start()
 

@@ -12,10 +12,11 @@ sends the prefill leg to P and the decode leg to D (R-P01). Events go to stdout 
 from __future__ import annotations
 
 import json
-import os
+import queue
 import random
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -60,63 +61,43 @@ class RoleOptions:
     per_step: int
     config: PushConfig
     wait_go: bool = False
+    mode: str = "push"
 
 
 def run_push_role(opts: RoleOptions) -> int:
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvhandoff.adapters.nixl_agent import NixlAgent
-    from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
-    from kvhandoff.adapters.push_side import PushSide
-    from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
-    from kvhandoff.demo.kv_memory import KVMemory, KVShape
-    from kvhandoff.machines.push_scheduler import LocalEngine
-    from kvhandoff.protocol.handshake import compatibility_hash
+    from kvhandoff.demo.push_instance import LivePushInstance
 
-    shape = KVShape()
-    memory = KVMemory(shape)
-    agent = NixlAgent(f"{opts.engine_id}-{secrets.token_hex(4)}", opts.backend)
-    transport = NixlPushTransport(
+    live = LivePushInstance(
+        opts.role,  # type: ignore[arg-type]
         opts.engine_id,
-        agent,
-        memory.local_regions(),
-        compatibility_hash=compatibility_hash(
-            "kvhandoff-demo", "demo-model", "uint8", shape.block_len
-        ),
-        is_decoder=opts.role == "decode",
+        listen_host=opts.listen_host,
+        listen_port=opts.listen_port,
+        config=opts.config,
+        mode=opts.mode,  # type: ignore[arg-type]
     )
-    server = transport.serve(opts.listen_host, opts.listen_port)
-    executor = HandshakeExecutor()
-    engine = LocalEngine(opts.engine_id, opts.listen_host, server.port)
-    side = PushSide(opts.role, engine, transport, executor.submit, config=opts.config)  # type: ignore[arg-type]
-    writer = PushWriterThread(side).start()
-    emit("ready", engine_id=opts.engine_id, port=server.port, role=opts.role)
+    emit("ready", engine_id=opts.engine_id, port=live.port, role=opts.role, mode=opts.mode)
     if opts.wait_go:
         sys.stdin.readline()  # the launcher starts both sides together, as a proxy would
     try:
-        loop = (
-            _PrefillLoop(side, memory, opts)
-            if opts.role == "prefill"
-            else _DecodeLoop(side, memory, opts)
-        )
+        loop = _PrefillLoop(live, opts) if opts.role == "prefill" else _DecodeLoop(live, opts)
         summary = loop.run()
     finally:
-        writer.stop()
-        executor.shutdown()
-        server.close()
-        agent.close()
+        live.close()
+    counters = live.counters()
     summary.update(
-        rejected_notifs=side.writer.rejected_notifs + side.worker.rejected_notifs,
-        failed_transfers=side.failed_transfers,
-        writer_errors=writer.errors,
+        rejected_notifs=counters["rejected_notifs"],
+        failed_transfers=counters["failed_transfers"],
+        writer_errors=counters["writer_errors"],
     )
     emit("summary", **summary)
     return 0 if summary.get("unresolved", 0) == 0 else 1
 
 
 class _Loop:
-    def __init__(self, side: Any, memory: Any, opts: RoleOptions) -> None:
-        self.side = side
-        self.memory = memory
+    def __init__(self, live: Any, opts: RoleOptions) -> None:
+        self.live = live
+        self.side = live.side
+        self.memory = live.memory
         self.opts = opts
         self.todo = demo_requests(opts.requests, opts.seed)
         self.suffix = secrets.token_hex(4)  # the per-engine random request-id suffix
@@ -128,12 +109,7 @@ class _Loop:
         return f"{client_id}-{self.suffix}"
 
     def step(self) -> Any:
-        sched = self.side.scheduler
-        meta = sched.build_connector_meta()
-        self.side.worker.start_load_kv(meta)
-        output = self.side.get_finished()
-        sched.update_connector_output(output)
-        return output
+        return self.live.step()
 
     def idle(self) -> None:
         time.sleep(0.0002)  # an engine with nothing to compute would wait for requests
@@ -149,9 +125,9 @@ class _PrefillLoop(_Loop):
                 blocks = self.memory.allocate(req.num_blocks)
                 self.memory.fill(req.client_id, blocks)
                 self.blocks[rid], self.client_of[rid] = blocks, req.client_id
-                sched.request_finished(rid, blocks, {"do_remote_decode": True})
+                _, params = sched.request_finished(rid, blocks, {"do_remote_decode": True})
                 nbytes = req.num_blocks * self.memory.shape.block_len * self.memory.shape.regions
-                emit("finished", client=req.client_id, t=time.time(), bytes=nbytes)
+                emit("finished", client=req.client_id, t=time.time(), bytes=nbytes, params=params)
             self.todo = self.todo[self.opts.per_step :]
             output = self.step()
             for rid in output.finished_sending:
@@ -164,23 +140,24 @@ class _PrefillLoop(_Loop):
 
 
 class _DecodeLoop(_Loop):
-    def run(self) -> dict[str, Any]:
-        from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+    """D's engine loop. Push: the decode legs come with the seeded list (P's coordinates
+    only). Pull: each leg carries P's request and blocks, relayed on stdin as JSON lines by
+    the proxy (the launcher) once P has finished the prefill."""
 
-        prefill = PrefillCoordinates(
-            self.opts.peer_engine_id, self.opts.peer_host, self.opts.peer_port, 1
-        )
+    def run(self) -> dict[str, Any]:
         sched = self.side.scheduler
-        verified = failed = 0
+        legs = self._legs()
+        expected = len(self.todo)
+        sizes = {req.client_id: req.num_blocks for req in self.todo}
+        started = verified = failed = 0
         while time.monotonic() < self.deadline:
-            for req in self.todo[: self.opts.per_step]:
-                rid = self.request_id(req.client_id)
-                blocks = self.memory.allocate(req.num_blocks)
+            for client_id, params in self._take(legs, self.opts.per_step):
+                rid = self.request_id(client_id)
+                blocks = self.memory.allocate(sizes[client_id])
                 self.memory.clear(blocks)
-                self.blocks[rid], self.client_of[rid] = blocks, req.client_id
-                leg = decode_leg({"request_id": req.client_id}, prefill)
-                sched.update_state_after_alloc(rid, blocks, leg["kv_transfer_params"])
-            self.todo = self.todo[self.opts.per_step :]
+                self.blocks[rid], self.client_of[rid] = blocks, client_id
+                sched.update_state_after_alloc(rid, blocks, params)
+                started += 1
             output = self.step()
             for rid in output.finished_recving:
                 client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)
@@ -193,7 +170,7 @@ class _DecodeLoop(_Loop):
                 failed += 1
                 emit("failed", client=client, reason=reason)
                 self.memory.free(blocks)
-            if not self.todo and not self.blocks:
+            if started == expected and not self.blocks:
                 break
             self.idle()
         for rid in list(self.blocks):
@@ -203,8 +180,42 @@ class _DecodeLoop(_Loop):
             "role": "decode",
             "verified": verified,
             "failed": failed,
-            "unresolved": len(self.blocks),
+            "unresolved": len(self.blocks) + expected - started,
         }
+
+    def _legs(self) -> queue.Queue[tuple[str, dict[str, Any]]]:
+        from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+
+        legs: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        if self.opts.mode == "pull":
+            threading.Thread(target=_read_legs, args=(legs,), daemon=True).start()
+            return legs
+        prefill = PrefillCoordinates(
+            self.opts.peer_engine_id, self.opts.peer_host, self.opts.peer_port, 1
+        )
+        for req in self.todo:
+            legs.put((req.client_id, decode_leg({}, prefill)["kv_transfer_params"]))
+        return legs
+
+    @staticmethod
+    def _take(
+        legs: queue.Queue[tuple[str, dict[str, Any]]], count: int
+    ) -> list[tuple[str, dict[str, Any]]]:
+        taken: list[tuple[str, dict[str, Any]]] = []
+        while len(taken) < count:
+            try:
+                taken.append(legs.get_nowait())
+            except queue.Empty:
+                break
+        return taken
+
+
+def _read_legs(legs: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+    """Pull mode: `{"client": .., "params": ..}` lines from the proxy on stdin."""
+    for line in sys.stdin:
+        if line.strip():
+            leg = json.loads(line)
+            legs.put((leg["client"], leg["params"]))
 
 
 def main_from_args(args: Any) -> int:
@@ -225,6 +236,7 @@ def main_from_args(args: Any) -> int:
         per_step=args.per_step,
         config=PushConfig.from_mapping({"nixl_backend": args.backend, **json.loads(args.config)}),
         wait_go=args.wait_go,
+        mode=args.mode,
     )
     if opts.role == "decode" and not opts.peer_port:
         print(
