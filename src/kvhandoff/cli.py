@@ -27,7 +27,23 @@ def _cmd_diagrams(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_latency(args: argparse.Namespace) -> int:
+    from kvhandoff.bench_latency import run_latency_bench
+
+    result = run_latency_bench(args.requests, 1 if args.quick else 2, _progress)
+    if not args.json:
+        for mode, numbers in result.items():
+            print(
+                f"{mode}: P finish -> D receive p50 {numbers['p50_ms']} ms, "
+                f"p99 {numbers['p99_ms']} ms, {numbers['gbps']} GB/s"
+            )
+    print(json.dumps(result) if args.json else "")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "latency":
+        return _cmd_bench_latency(args)
     if args.what == "dispatch":
         from kvhandoff.bench_dispatch import run_dispatch_bench
 
@@ -108,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagrams.set_defaults(func=_cmd_diagrams)
 
     bench = sub.add_parser("bench", help="benchmarks, as ratios against same-run baselines")
-    bench.add_argument("what", choices=["dispatch", "push"])
+    bench.add_argument("what", choices=["dispatch", "push", "latency"])
+    bench.add_argument("--requests", type=int, default=64, help="latency: requests per run")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
     bench.add_argument(
