@@ -235,3 +235,29 @@ def test_R_P08_R_P15_heartbeats_keep_a_lease_alive(prefill_factory: Any) -> None
     assert "push.p.lease_expired" not in p.side.bus.metrics
     heartbeats = [r for r in p.side.bus.machine(P_KIND).routes if r.edge[1] == "heartbeat"]
     assert sum(r.count for r in heartbeats) >= 2
+
+
+def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
+    """Pull: P's request_finished returns its coordinates and blocks; D READs them, its
+    READ's notif frees P's lease; heartbeats and handshakes are push mode's."""
+    from kvhandoff.demo.launcher import relay
+    from kvhandoff.machines.pull_p_lease import KIND as PULL_P_KIND
+
+    p = prefill_factory(mode="pull")
+    requests = demo_requests(4, SEED)
+    d = _decode_child(p, 4, "--mode", "pull")
+    for req in requests:
+        rid = f"{req.client_id}-cccc0000"
+        blocks = p.memory.allocate(req.num_blocks)
+        p.memory.fill(req.client_id, blocks)
+        delay_free, params = p.side.scheduler.request_finished(
+            rid, blocks, {"do_remote_decode": True}
+        )
+        assert delay_free and params is not None and params["remote_block_ids"] == blocks
+        relay(d, {"client": req.client_id, "params": params})
+    sent: set[str] = set()
+    poll_until(lambda: (sent.update(p.step().finished_sending), len(sent) == 4)[1], 40, "reads")
+    summary = child_summary(d)
+    assert (summary["verified"], summary["failed"]) == (4, 0)
+    assert p.side.bus.metrics.get("pull.p.read_by_d") == 4, "freed by D's notif, not expiry"
+    assert p.side.bus.counters(PULL_P_KIND).live == 0
