@@ -36,5 +36,10 @@ unit: install
 
 test: lint typecheck specs-check unit
 
+# Coverage-guided fuzzing of every decoder (atheris), 1,000,000 inputs; not part of CI.
+fuzz: install
+	$(PY) -m pip install -q atheris
+	$(PY) fuzz/decoders.py -runs=1000000 -max_len=4096
+
 diagrams: install
 	$(BIN)/kvhandoff diagrams
