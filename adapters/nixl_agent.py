@@ -64,6 +64,11 @@ class NixlTransferError(KvHandoffError):
         self.detail = detail
         super().__init__(f"NIXL {op} failed: {detail}")
 
+    @property
+    def peer_gone(self) -> bool:
+        """True when NIXL reported the remote agent disconnected (B-08: forget it)."""
+        return "RemoteDisconnect" in self.detail
+
 
 def _describe(exc: BaseException) -> str:
     """Render a NIXL exception as `TypeName: message`."""
@@ -82,7 +87,7 @@ class BlockRegion(NamedTuple):
 class BlockLayout:
     """Descriptor numbering of an ordered list of block regions (see the module docstring)."""
 
-    __slots__ = ("_num_blocks", "_offsets", "num_descs", "regions")
+    __slots__ = ("_num_blocks", "_offsets", "_selections", "num_descs", "regions")
 
     def __init__(self, regions: Iterable[tuple[int, int, int]]) -> None:
         parsed = tuple(BlockRegion(*region) for region in regions)
@@ -96,6 +101,10 @@ class BlockLayout:
         self._num_blocks = counts
         self._offsets = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
         self.num_descs = int(counts.sum())
+        # Per region selection (None: all regions): descriptor offsets as an int32 column and
+        # the smallest capacity among the selected regions. A transfer path asks for the
+        # same few selections on every WRITE, so they are validated and computed once.
+        self._selections: dict[tuple[int, ...] | None, tuple[npt.NDArray[np.int32], int]] = {}
 
     def index(self, region: int, block: int) -> int:
         """Descriptor index of block `block` of region `region`."""
@@ -116,14 +125,33 @@ class BlockLayout:
         The result lists region `regions[0]`'s blocks first, in `block_ids` order, then the
         next region's: the order two sides must agree on for a WRITE or READ.
         """
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        picked = np.arange(len(self.regions)) if regions is None else np.asarray(regions)
+        offsets, capacity = self._selection(regions)
+        if isinstance(block_ids, list | tuple):
+            # Short Python lists are the common case: min/max on the list beat two numpy
+            # reductions, and the sum below stays in int32 once the range is checked.
+            low, high = (min(block_ids), max(block_ids)) if block_ids else (0, -1)
+            ids = np.array(block_ids, dtype=np.int64).reshape(-1)
+        else:
+            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+            low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, -1)
+        if ids.size and (low < 0 or high >= capacity):
+            raise LocalProtocolError("block id out of range for at least one region")
+        return (offsets + ids.astype(np.int32)).reshape(-1)
+
+    def _selection(self, regions: Sequence[int] | None) -> tuple[npt.NDArray[np.int32], int]:
+        key = regions if regions is None or isinstance(regions, tuple) else tuple(regions)
+        hit = self._selections.get(key)
+        if hit is not None:
+            return hit
+        picked = np.arange(len(self.regions)) if key is None else np.asarray(key, dtype=np.int64)
         if picked.size and (picked.min() < 0 or picked.max() >= len(self.regions)):
             raise LocalProtocolError(f"region index out of range in {list(picked)}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self._num_blocks[picked].min()):
-            raise LocalProtocolError("block id out of range for at least one region")
-        flat = (self._offsets[picked][:, None] + ids[None, :]).reshape(-1)
-        return flat.astype(np.int32)
+        capacity = int(self._num_blocks[picked].min()) if picked.size else 0
+        offsets = self._offsets[picked].astype(np.int32).reshape(-1, 1)
+        if len(self._selections) >= 64:  # a bound, for callers that vary the selection
+            self._selections.clear()
+        self._selections[key] = (offsets, capacity)
+        return offsets, capacity
 
     def descriptor_rows(self, device_id: int = 0) -> npt.NDArray[np.uint64]:
         """The N x 3 `(addr, len, device_id)` rows NIXL prepares, in descriptor order."""
@@ -434,7 +462,8 @@ class NixlAgent:
                 f"{op} needs equal, non-empty index lists (got {lidx.size} and {ridx.size})"
             )
         for side, idx in ((local, lidx), (remote, ridx)):
-            if idx.min() < 0 or idx.max() >= side.layout.num_descs:
+            # One reduction per side: a negative int32 read as uint32 is at least 2**31.
+            if int(idx.view(np.uint32).max()) >= side.layout.num_descs:
                 raise LocalProtocolError(
                     f"{op} index out of range 0..{side.layout.num_descs - 1} "
                     f"for {side.agent_name or 'local'} descriptors"

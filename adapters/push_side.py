@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvhandoff.adapters.push_transport import PushTransport, TransferHandle
+from kvhandoff.adapters.push_transport import PushTransport, TransferHandle, peer_gone
 from kvhandoff.machines.bus import EventBus
 from kvhandoff.machines.clock import Clock, real_clock
 from kvhandoff.machines.push_effects import (
@@ -37,6 +37,7 @@ from kvhandoff.machines.push_effects import (
     IssueWrite,
     PollTransfer,
     QueueEviction,
+    ReleaseTransfer,
     ReplayPush,
     ReplayRead,
     ReplayRegistration,
@@ -111,6 +112,7 @@ class PushSide:
         self.deferred_push_inbox: deque[ReplayPush] = deque()
         self.evict_finished_inbox: deque[str] = deque()
         self.pull_read_inbox: deque[ReplayRead] = deque()  # pull mode (B-09)
+        self.peer_lost_inbox: deque[str] = deque()  # main-thread sends that found a dead peer
         self.handshake_results: deque[HandshakeResult] = deque()
         self.pending_completion_notifs: deque[WriterItem] = deque()
         self._posted_transfers: deque[tuple[str, TransferHandle]] = deque()
@@ -144,6 +146,7 @@ class PushSide:
         bus.handle(QueueEviction, lambda _i, e: self.evict_finished_inbox.append(e.request_id))
         bus.handle(WakeWriter, lambda _i, _e: self.wake.set())
         bus.handle(PollTransfer, self._poll_transfer)
+        bus.handle(ReleaseTransfer, self._release_transfer)
         bus.handle(SendHeartbeat, self._send_heartbeat)
 
     def _to_writer_reg(self, effect: EnqueueRegistration) -> None:
@@ -170,6 +173,14 @@ class PushSide:
         outcome = "done" if state == "DONE" else "error"
         self.bus.dispatch(self.worker.polled_kind, effect.request_id, f"{op}_{outcome}")
 
+    def _release_transfer(self, _inst: Any, effect: ReleaseTransfer) -> None:
+        """A WRITE timed out: free its handle (cancelling it) so it cannot land later."""
+        self._adopt_posted_transfers()
+        handle = self._sending_transfers.pop(effect.request_id, None)
+        if handle is not None:
+            self.failed_transfers += 1
+            self._release(handle)
+
     def _release(self, handle: TransferHandle) -> None:
         try:
             self.transport.release(handle)
@@ -181,6 +192,9 @@ class PushSide:
             self.transport.send_notif(effect.engine_id, encode_heartbeat(effect.request_ids))
         except KvHandoffError as exc:
             log.warning("heartbeat to %s failed: %s", effect.engine_id, exc)
+            if peer_gone(exc):
+                self.peer_lost_inbox.append(effect.engine_id)  # B-08: the writer forgets it
+                self.wake.set()
 
     # -- writer loop (writer thread) ------------------------------------------------------
 
@@ -191,6 +205,9 @@ class PushSide:
         """
         writer = self.writer
         handled = 0
+        while self.peer_lost_inbox:
+            writer.on_peer_lost(self.peer_lost_inbox.popleft())
+            handled += 1
         while self.handshake_results:
             engine_id, ok, _detail = self.handshake_results.popleft()
             writer.on_handshake_result(engine_id, ok)
@@ -263,8 +280,17 @@ class PushSide:
                 "PUSH_REG %s to %s failed: %s", effect.request_id, reg.remote_engine_id, exc
             )
             self.pending_completion_notifs.append(ReportToMain(effect.request_id, "send_failed"))
+            self._forget_if_gone(reg.remote_engine_id, exc)
         else:
             self.pending_completion_notifs.append(ReportToMain(effect.request_id, "reg_sent"))
+
+    def _forget_if_gone(self, engine_id: str, exc: BaseException) -> None:
+        """B-08: when the error says the peer is gone, drop its agent so the next operation
+        re-handshakes (a restarted peer has a new agent) instead of using a dead one
+        forever. A failure of one operation leaves a live peer and its in-flight
+        transfers alone."""
+        if peer_gone(exc):
+            self._peer_lost(engine_id)
 
     def _issue_write(self, effect: IssueWrite) -> None:
         """R-P06: expand D's logical ids, WRITE into D's memory, completion notif to D."""
@@ -273,6 +299,12 @@ class PushSide:
         try:
             if peer is None:
                 raise KvHandoffError(f"no connected agent for {reg.decode_engine_id}")
+            if effect.sender_agent and effect.sender_agent != peer.agent_name:
+                # B-08: D restarted since it registered; its blocks now belong to others.
+                raise KvHandoffError(
+                    f"registration {reg.request_id} came from agent {effect.sender_agent!r}, "
+                    f"{reg.decode_engine_id} now runs {peer.agent_name!r}: not written"
+                )
             remote = expand_to_physical(reg.block_ids, peer.physical_blocks_per_logical)
             check_within_capacity(reg.request_id, remote, peer.capacity, engine_id=peer.engine_id)
             local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
@@ -282,6 +314,10 @@ class PushSide:
                     f"D registered {len(remote)}"
                 )
             notif = encode_completion_notif(reg.request_id, self.engine.tp_size)
+        except KvHandoffError as exc:
+            self._write_submit_failed(effect, exc)
+            return
+        try:
             handle = self.transport.write_blocks(reg.decode_engine_id, local, remote, notif)
         except KvHandoffError as exc:
             self._write_submit_failed(effect, exc)
@@ -311,6 +347,7 @@ class PushSide:
         except KvHandoffError as exc:
             log.warning("READ for %s failed to post: %s", effect.request_id, exc)
             self.failed_transfers += 1
+            self._forget_if_gone(source.prefill.engine_id, exc)
             self.pending_completion_notifs.append(
                 ReportToMain(effect.request_id, "read_submit_failed")
             )
@@ -318,11 +355,19 @@ class PushSide:
         self._posted_transfers.append((effect.request_id, handle))
         self.pending_completion_notifs.append(ReportToMain(effect.request_id, "read_posted"))
 
+    def _peer_lost(self, engine_id: str) -> None:
+        """B-08: a send or WRITE to a connected peer failed. Forget its agent, so the next
+        operation re-handshakes (a restarted peer has a new agent) instead of using a dead
+        agent forever."""
+        self.writer.on_peer_lost(engine_id)
+        self.wake.set()
+
     def _write_submit_failed(self, effect: IssueWrite, exc: KvHandoffError) -> None:
         """R-P12: count it, no failed-recv entry here; B-06: tell D so it fails at once."""
         reg = effect.registration
         self.failed_transfers += 1
         log.warning("WRITE for %s failed to post: %s", effect.request_id, exc)
+        self._forget_if_gone(reg.decode_engine_id, exc)
         try:
             self.transport.send_notif(
                 reg.decode_engine_id, encode_write_failed(reg.request_id, str(exc))

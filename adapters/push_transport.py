@@ -18,6 +18,12 @@ from kvhandoff.protocol.handshake import HandshakePayload
 XferState = Literal["DONE", "PROC", "ERR"]
 
 
+def peer_gone(exc: BaseException) -> bool:
+    """Whether a transport error says the peer itself is gone (its agent must be forgotten
+    and re-handshaked, B-08), as opposed to a failure of one operation."""
+    return bool(getattr(exc, "peer_gone", False))
+
+
 @dataclass(frozen=True, slots=True)
 class PeerInfo:
     """What a completed handshake taught us about a remote engine."""

@@ -48,8 +48,18 @@ def _defer(inst: Any, op: DeferredOp) -> list[object]:
     return [ReportToMain(op.request_id, "handshake_started")]
 
 
+def endpoint(op: DeferredOp) -> tuple[str, int]:
+    """The side channel the operation names for its peer (a restarted peer may move)."""
+    if isinstance(op, ReplayRegistration):
+        return op.registration.remote_host, op.registration.remote_port
+    if isinstance(op, ReplayPush):
+        return op.registration.decode_host, op.registration.decode_port
+    return op.source.prefill.host, op.source.prefill.port
+
+
 def start(inst: Any, op: DeferredOp) -> list[object]:
     ctx: HandshakeCtx = inst.ctx
+    ctx.host, ctx.port = endpoint(op)
     return [StartHandshake(inst.key, ctx.host, ctx.port), *_defer(inst, op)]
 
 
