@@ -22,6 +22,7 @@ class RoleProcess:
     proc: subprocess.Popen[str]
     events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
     stderr_tail: list[str] = field(default_factory=list)
+    ready: dict[str, Any] = field(default_factory=dict)
 
     def next_event(self, deadline: float) -> dict[str, Any] | None:
         try:
@@ -64,6 +65,7 @@ def wait_ready(role: RoleProcess, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while (event := role.next_event(deadline)) is not None:
         if event["event"] == "ready":
+            role.ready = event
             return event
         if event["event"] == "exit":
             break

@@ -1,0 +1,110 @@
+"""Push mode under real process faults: kill -9 a peer, then restart it (issue 8, B-08).
+
+Every request resolves within its lease or watchdog deadline; no lease stays held; the
+writer thread survives; a restarted peer (a new NIXL agent, a new port) is
+re-handshaked instead of its dead agent being used forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_push_integration import SEED, SHAPE, Prefill, child, child_summary, poll_until
+
+from kvhandoff.demo.launcher import go
+from kvhandoff.demo.push_instance import LivePushInstance
+from kvhandoff.demo.push_role import demo_requests
+from kvhandoff.machines.push_d_registration import KIND as D_KIND
+from kvhandoff.machines.push_handshake import KIND as HANDSHAKE_KIND
+from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+from kvhandoff.protocol.push_config import PushConfig
+
+pytestmark = pytest.mark.integration
+
+
+def test_kill_decode_after_registration_then_restart() -> None:
+    config = PushConfig(kv_lease_duration=2.0, handshake_timeout=1.0)
+    with LivePushInstance("prefill", "prefill-0", shape=SHAPE, config=config) as p:
+        args = ["--peer", f"127.0.0.1:{p.port}", "--requests", "4", "--per-step", "100"]
+        doomed = child("decode", *args, "--wait-go")
+        go([doomed])
+        first = Prefill(p, demo_requests(4, SEED))
+        pending = p.side.writer.pending_d_registrations
+        poll_until(lambda: (first.step(), len(pending) == 4)[1], 30, "four PUSH_REGs on P")
+        doomed.proc.kill()  # kill -9 D after it registered
+        doomed.proc.wait()
+        first.finish_all()
+        poll_until(first.all_sent, 20, "every lease resolved within its deadline")
+        assert p.side.bus.metrics.get("push.p.lease_expired") == 4
+        assert p.writer.alive and p.writer.errors == 0
+        assert not p.side.scheduler.has_pending_push_work(), "no lease stays held"
+
+        # A new D process (new agent, new port) registers fresh requests: re-handshake.
+        reborn = child("decode", *args[:4], "--seed", "12", "--requests", "3")
+        second = Prefill(p, demo_requests(3, 12))
+        second.finish_all()
+        poll_until(second.all_sent, 30, "the restarted decoder's pushes")
+        summary = child_summary(reborn)
+        assert (summary["verified"], summary["failed"]) == (3, 0)
+
+
+def test_kill_prefill_after_registration_then_restart() -> None:
+    config = PushConfig(push_registration_timeout=2.0, heartbeat_interval=0.3)
+    with LivePushInstance("decode", "decode-0", shape=SHAPE, config=config) as d:
+        doomed = child("prefill", "--requests", "3", "--wait-go")  # never finishes
+        blocks = _register(d, _port_of(doomed), demo_requests(3, SEED))
+
+        def sent() -> bool:
+            d.step()
+            states = [d.side.bus.get(D_KIND, rid) for rid in blocks]
+            return all(inst is not None and inst.state == "sent" for inst in states)
+
+        poll_until(sent, 30, "three PUSH_REGs sent")
+        doomed.proc.kill()  # kill -9 P after D registered
+        doomed.proc.wait()
+
+        def dropped() -> bool:
+            d.step()
+            return d.side.bus.metrics.get("push.d.watchdog_expired") == 3
+
+        poll_until(dropped, 20, "every registration resolved by the watchdog")
+        assert not d.side.scheduler.has_pending_push_work()
+
+        def forgotten() -> bool:
+            d.step()
+            inst = d.side.writer_bus.get(HANDSHAKE_KIND, "prefill-0")
+            return inst is not None and inst.state != "connected"
+
+        poll_until(forgotten, 10, "the dead prefill agent forgotten (B-08)")
+
+        reborn = child("prefill", "--seed", "13", "--requests", "2")
+        fresh = demo_requests(2, 13)
+        blocks = _register(d, _port_of(reborn), fresh)
+        received: dict[str, bool] = {}
+
+        def verified() -> bool:
+            out = d.step()
+            for rid in out.finished_recving:
+                client = rid.rsplit("-", 1)[0]
+                received[client] = d.memory.verify(client, blocks[rid])
+            return len(received) == 2
+
+        poll_until(verified, 30, "pushes from the restarted prefill")
+        assert all(received.values()), received
+        assert child_summary(reborn)["finished_sending"] == 2
+
+
+def _port_of(proc: Any) -> int:
+    return int(proc.ready["port"])
+
+
+def _register(d: LivePushInstance, port: int, requests: Any) -> dict[str, list[int]]:
+    leg = decode_leg({}, PrefillCoordinates("prefill-0", "127.0.0.1", port, 1))
+    blocks: dict[str, list[int]] = {}
+    for req in requests:
+        rid = f"{req.client_id}-dddd0000"
+        blocks[rid] = d.memory.allocate(req.num_blocks)
+        d.memory.clear(blocks[rid])
+        d.side.scheduler.update_state_after_alloc(rid, blocks[rid], leg["kv_transfer_params"])
+    return blocks
