@@ -174,8 +174,8 @@ class ECScheduler:
             waiting = waiting or wait
             if reason:
                 self.bus.dispatch(REQUEST_KIND, rid, "fall_back", (mm_hash, reason))
-                if inst.state == "failed":
-                    return False
+            if inst.state != "waiting":  # failed, possibly from inside a read's fallback
+                return False
         if waiting:
             return False
         self.bus.dispatch(REQUEST_KIND, rid, "available")
@@ -204,6 +204,8 @@ class ECScheduler:
                 return True, ""  # our own save lands within a step or two
             return False, "destination quarantined"
         encoding = published.get(mm_hash)
+        if consumer is None and encoding is not None:
+            return False, "published, but P2P is off (ec_enable_nixl)"
         if consumer is not None and encoding is not None:
             self._waiters.setdefault(mm_hash, set()).add(rid)
             if consumer.start_read(mm_hash, encoding):
@@ -225,8 +227,15 @@ class ECScheduler:
                 self.bus.dispatch(REQUEST_KIND, rid, "fall_back", (mm_hash, reason))
 
     def _read_retired(self, inst: Instance) -> None:
-        if inst.kind == "ec.consumer_read":
-            self._waiters.pop(inst.key, None)
+        if inst.kind != "ec.consumer_read":
+            return
+        waiters = self._waiters.pop(inst.key, ())
+        if inst.state != "done" or not self.cache.is_loadable(inst.key):
+            return
+        for rid in sorted(waiters):  # hold it at once: no eviction before they come back
+            request = self.bus.get(REQUEST_KIND, rid)
+            if request is not None and request.state == "waiting":
+                self.bus.dispatch(REQUEST_KIND, rid, "hold", inst.key)
 
     # -- allocation and the step -----------------------------------------------------------
 
@@ -351,6 +360,10 @@ class ECScheduler:
     def on_peer_disconnected(self, peer_host: str, peer_port: int) -> None:
         """ZMQ: the DEALER to producer `peer_host:peer_port` lost its peer."""
         self._need_consumer().on_peer_disconnected(peer_host, peer_port)
+
+    def on_consumer_disconnected(self, peer: bytes | str) -> None:
+        """ZMQ: consumer identity `peer` left the ROUTER (its grants keep their lease)."""
+        self._need_producer().on_peer_disconnected(peer)
 
     def on_producer_message(self, peer: bytes | str, data: bytes) -> None:
         """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""

@@ -64,6 +64,7 @@ class ECWorker:
         self._region = self.bus.create(REGION_KIND, _REGION_KEY, writer=self.is_writer)
         self._batch_ids = itertools.count(1)
         self._pending_saves: dict[str, CopyItem] = {}
+        self._abandoned: list[str] = []
         self._landed_saves: set[str] = set()
         self._landed_loads: set[str] = set()
         self._landed_failed: set[str] = set()
@@ -96,6 +97,7 @@ class ECWorker:
     def start_load_caches(self, meta: ECConnectorMeta) -> None:
         """Submit this step's loads; remember where this step's saves go."""
         self._require_registered("start_load_caches")
+        self._abandoned.extend(self._pending_saves)  # a step that never reported
         self._pending_saves = {item.mm_hash: item for item in meta.saves} if self.is_writer else {}
         if meta.loads:
             self._submit("load", meta.loads)
@@ -140,9 +142,9 @@ class ECWorker:
         """Report landed batches and abandoned saves to the scheduler (R-E05)."""
         saved: list[str] = []
         loaded: list[str] = []
-        failed_saves: list[str] = list(self._pending_saves)
+        failed_saves: list[str] = [*self._abandoned, *self._pending_saves]
         failed_loads: list[str] = []
-        self._pending_saves = {}
+        self._pending_saves, self._abandoned = {}, []
         for inst in self.bus.instances(COPY_BATCH_KIND):
             if inst.state != "end_event_seen":
                 continue

@@ -536,3 +536,54 @@ def test_R_E06_malformed_ec_transfer_params_are_counted_and_encoded_locally() ->
     assert sim.consumer.scheduler.counters()["bad_params"] == 1
     assert not consume(sim, "c2", half, metadata_only=True)  # type: ignore[arg-type]
     assert "malformed ec_transfer_params" in sim.consumer.failed[0].reason
+
+
+def test_R_E05_saves_of_a_step_that_never_reported_are_failed_later() -> None:
+    scheduler, worker = local("ec_producer")
+    scheduler.update_state_after_alloc(request("r", "a"), "a", 2)
+    worker.start_load_caches(scheduler.build_connector_meta())
+    worker.start_load_caches(scheduler.build_connector_meta())  # no save, no report
+    report = worker.build_connector_worker_meta()
+    assert report.failed_saves == ("a",)
+    scheduler.update_connector_output(report)
+    assert scheduler.cache.state("a") is None
+
+
+def test_R_E07_a_landed_read_is_held_for_its_waiting_requests() -> None:
+    sim = Sim(16, consumer_blocks=3)
+    params = produce(sim, "h", 3)
+    scheduler = sim.consumer.scheduler
+    assert not scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params))
+    sim.advance(2.0, step=lambda: step_both(sim))  # the read lands; c1 has not come back
+    assert scheduler.cache.state("h") == "pinned", "held: pressure cannot evict it first"
+    scheduler.cache.reserve("x", 3, 24, "save")
+    assert scheduler.cache.state("h") == "pinned"
+    assert scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params))
+
+
+def test_R_E02_publication_without_p2p_is_encoded_locally() -> None:
+    scheduler, _ = local("ec_consumer")
+    params = {"h": {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}}
+    assert scheduler.ensure_cache_available(request("r", "h", ec_transfer_params=params))
+    inst = scheduler.bus.get("ec.request", "r")
+    assert inst is not None and "P2P is off" in inst.ctx.local["h"]
+
+
+def test_B05_synchronous_send_failure_fails_a_rewritten_request_without_crashing() -> None:
+    from kvhandoff.machines.ec_consumer_read import SendXferReq
+
+    config = transfer_config("ec_consumer", 8, engine_id="c")
+    scheduler = ECScheduler(config, layout(8), compat_hash=COMPAT, clock=VirtualClock())
+    # A ZMQ adapter whose connect is refused reports the disconnect from inside the send.
+    scheduler.bus.handle(
+        SendXferReq, lambda inst, e: scheduler.on_peer_disconnected(e.peer_host, e.peer_port)
+    )
+    entry = {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}
+    req = request(
+        "r", "a", "b", ec_transfer_params={"a": entry, "b": entry}, metadata_only=frozenset("ab")
+    )
+    assert not scheduler.ensure_cache_available(req)
+    (failure,) = scheduler.take_failed_requests()
+    assert "peer_disconnected" in failure.reason
+    assert scheduler.cache.pool.free_count == 8
+    assert not scheduler.ensure_cache_available(req), "stays failed until finished"

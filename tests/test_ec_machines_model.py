@@ -22,8 +22,8 @@ from kvhandoff.testing import run_model_test
 COMPAT = compatibility_hash("1.0", "model", "bfloat16", 8)
 
 
-def model_test(decl: Any, **options: Any) -> None:
-    coverage = run_model_test(decl, max_examples=150, **options)
+def model_test(decl: Any, max_examples: int = 150, **options: Any) -> None:
+    coverage = run_model_test(decl, max_examples=max_examples, **options)
     assert not coverage.missing()
 
 
@@ -64,6 +64,7 @@ ITEMS = st.lists(
 def test_R_E05_copy_batch_model() -> None:
     model_test(
         EC_COPY_BATCH,
+        max_examples=60,
         context=st.fixed_dictionaries(
             {"direction": st.sampled_from(["save", "load"]), "items": ITEMS}
         ),
@@ -207,6 +208,7 @@ def test_B05_request_model() -> None:
 def test_R_E03_worker_region_model() -> None:
     model_test(
         EC_WORKER_REGION,
+        max_examples=60,
         context=st.fixed_dictionaries({"writer": st.booleans()}),
         payloads={"register": st.integers(0, 2**40)},
     )

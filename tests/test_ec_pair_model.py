@@ -331,8 +331,8 @@ class ECPairModel(RuleBasedStateMachine):
                 assert read.ctx.not_ready <= MAX_NOT_READY
 
 
-TestECPair = ECPairModel.TestCase
-TestECPair.settings = settings(
+TestR_E08_B05_ECPairModel = ECPairModel.TestCase
+TestR_E08_B05_ECPairModel.settings = settings(
     max_examples=60,
     stateful_step_count=30,
     deadline=None,
@@ -340,7 +340,7 @@ TestECPair.settings = settings(
 )
 
 
-def test_pair_reaches_the_interesting_outcomes() -> None:
+def test_R_E07_R_E08_R_E12_B04_pair_reaches_every_read_outcome() -> None:
     """A derandomized run must see reads succeed, retry, fall back and quarantine."""
     seen: dict[str, int] = {}
 
