@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait-go", action="store_true", help="start after a line on stdin")
     run.add_argument("--config", default="{}", help="JSON object of push config overrides")
     run.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
+    run.add_argument("--step-ms", type=float, default=0.0, help="pace each engine step")
     run.set_defaults(func=_cmd_run)
     return parser
 

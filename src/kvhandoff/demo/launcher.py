@@ -31,10 +31,11 @@ class RoleProcess:
             return None
 
 
-def start_role(name: str, argv: Sequence[str]) -> RoleProcess:
+def start_role(name: str, argv: Sequence[str], prefix: Sequence[str] = ()) -> RoleProcess:
+    """Start `kvhandoff <argv>` as a child; `prefix` wraps it (e.g. `ip netns exec NS`)."""
     env = dict(os.environ, NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvhandoff", *argv],
+        [*prefix, sys.executable, "-m", "kvhandoff", *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -62,6 +62,7 @@ class RoleOptions:
     config: PushConfig
     wait_go: bool = False
     mode: str = "push"
+    step_ms: float = 0.0
 
 
 def run_push_role(opts: RoleOptions) -> int:
@@ -112,7 +113,8 @@ class _Loop:
         return self.live.step()
 
     def idle(self) -> None:
-        time.sleep(0.0002)  # an engine with nothing to compute would wait for requests
+        # An engine step takes time (or waits for requests when idle); --step-ms paces it.
+        time.sleep(max(0.0002, self.opts.step_ms / 1000.0))
 
 
 class _PrefillLoop(_Loop):
@@ -170,6 +172,12 @@ class _DecodeLoop(_Loop):
                 failed += 1
                 emit("failed", client=client, reason=reason)
                 self.memory.free(blocks)
+            for rid in self._given_up():
+                # The engine's request-level abort path (R-P10): the watchdog dropped it.
+                client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)
+                failed += 1
+                emit("failed", client=client, reason="registration watchdog expired")
+                self.memory.free(blocks)
             if started == expected and not self.blocks:
                 break
             self.idle()
@@ -182,6 +190,11 @@ class _DecodeLoop(_Loop):
             "failed": failed,
             "unresolved": len(self.blocks) + expected - started,
         }
+
+    def _given_up(self) -> list[str]:
+        """Requests whose lifecycle ended without a receive being reported (expired)."""
+        kind = self.side.scheduler.d_kind
+        return [rid for rid in self.blocks if self.side.bus.get(kind, rid) is None]
 
     def _legs(self) -> queue.Queue[tuple[str, dict[str, Any]]]:
         from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
@@ -237,6 +250,7 @@ def main_from_args(args: Any) -> int:
         config=PushConfig.from_mapping({"nixl_backend": args.backend, **json.loads(args.config)}),
         wait_go=args.wait_go,
         mode=args.mode,
+        step_ms=args.step_ms,
     )
     if opts.role == "decode" and not opts.peer_port:
         print(
