@@ -114,6 +114,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from kvhandoff.simulate import main_from_args
+
+    return main_from_args(args)
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from kvhandoff.soak import run_soak
+
+    result = run_soak(args.seconds, args.faults, args.seed)
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    else:
+        print(json.dumps(result))
+    return 1 if result["leaked"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_cmd_demo)
 
+    soak = sub.add_parser("soak", help="two-process traffic under injected faults")
+    soak.add_argument("--seconds", type=float, default=30.0)
+    soak.add_argument("--faults", default="write_fail=0.02,notif_drop=0.01,handshake_fail=0.05")
+    soak.add_argument("--seed", type=int, default=1)
+    soak.add_argument("--json", action="store_true")
+    soak.set_defaults(func=_cmd_soak)
+
     run = sub.add_parser("run", help="run one role alone (P and D may be on different hosts)")
     run.add_argument("role", choices=["prefill", "decode", "producer", "consumer"])
     run.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of this side channel")
@@ -156,7 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", default="{}", help="JSON object of push config overrides")
     run.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
     run.add_argument("--step-ms", type=float, default=0.0, help="pace each engine step")
+    run.add_argument("--faults", default="", help="e.g. write_fail=0.02,notif_drop=0.01")
+    run.add_argument("--fault-seed", type=int, default=0)
     run.set_defaults(func=_cmd_run)
+
+    simulate = sub.add_parser(
+        "simulate", help="seeded fault schedules over the in-memory fabric (deterministic)"
+    )
+    simulate.add_argument("what", nargs="?", default="all", choices=["push", "all"])
+    simulate.add_argument("--seeds", type=int, default=200, help="runs per protocol")
+    simulate.add_argument("--first-seed", type=int, default=0)
+    simulate.add_argument("--requests", type=int, default=16, help="client requests per run")
+    simulate.add_argument(
+        "--faults", default="all", help="comma list of fault names, 'all' or 'none'"
+    )
+    simulate.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
+    simulate.add_argument(
+        "--variant", default=None, help="a deliberately broken variant (self-check)"
+    )
+    simulate.add_argument("--json", action="store_true")
+    simulate.set_defaults(func=_cmd_simulate)
     return parser
 
 

@@ -55,6 +55,10 @@ class KVMemory:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise LocalProtocolError(f"out of KV blocks: need {count}, {len(self._free)} free")

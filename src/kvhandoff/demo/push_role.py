@@ -12,6 +12,7 @@ sends the prefill leg to P and the decode leg to D (R-P01). Events go to stdout 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import random
 import secrets
@@ -63,11 +64,17 @@ class RoleOptions:
     wait_go: bool = False
     mode: str = "push"
     step_ms: float = 0.0
+    faults: str = ""
+    fault_seed: int = 0
 
 
 def run_push_role(opts: RoleOptions) -> int:
+    from kvhandoff.adapters.fault_injection import FaultPlan, faulty_transport_factory
+    from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
     from kvhandoff.demo.push_instance import LivePushInstance
 
+    plan = FaultPlan.parse(opts.faults)
+    factory = faulty_transport_factory(plan, opts.fault_seed) if plan.any else NixlPushTransport
     live = LivePushInstance(
         opts.role,  # type: ignore[arg-type]
         opts.engine_id,
@@ -75,6 +82,7 @@ def run_push_role(opts: RoleOptions) -> int:
         listen_port=opts.listen_port,
         config=opts.config,
         mode=opts.mode,  # type: ignore[arg-type]
+        transport_factory=factory,
     )
     emit("ready", engine_id=opts.engine_id, port=live.port, role=opts.role, mode=opts.mode)
     if opts.wait_go:
@@ -89,9 +97,20 @@ def run_push_role(opts: RoleOptions) -> int:
         rejected_notifs=counters["rejected_notifs"],
         failed_transfers=counters["failed_transfers"],
         writer_errors=counters["writer_errors"],
+        injected=dict(getattr(live.transport, "injected", {})),
+        leaked_blocks=live.memory.shape.num_blocks - live.memory.free_count,
+        live_lifecycles=sum(live.side.bus.live(k) for k in live.side.bus.kinds()),
+        rss_mb=_rss_mb(),
     )
     emit("summary", **summary)
     return 0 if summary.get("unresolved", 0) == 0 else 1
+
+
+def _rss_mb() -> float:
+    """Resident set size of this process, in MiB (Linux)."""
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 class _Loop:
@@ -105,6 +124,19 @@ class _Loop:
         self.blocks: dict[str, list[int]] = {}
         self.client_of: dict[str, str] = {}
         self.deadline = time.monotonic() + opts.deadline_s
+        self.rss_start: float | None = None
+        self._held: tuple[str, dict[str, Any]] | None = None
+
+    def _fitting(self, requests: list[DemoRequest]) -> list[DemoRequest]:
+        """The leading requests whose blocks fit in the free pool (backpressure)."""
+        fitting: list[DemoRequest] = []
+        free = self.memory.free_count
+        for req in requests:
+            if req.num_blocks > free:
+                break
+            fitting.append(req)
+            free -= req.num_blocks
+        return fitting
 
     def request_id(self, client_id: str) -> str:
         return f"{client_id}-{self.suffix}"
@@ -122,7 +154,8 @@ class _PrefillLoop(_Loop):
         sched = self.side.scheduler
         sent = 0
         while time.monotonic() < self.deadline:
-            for req in self.todo[: self.opts.per_step]:
+            batch = self._fitting(self.todo[: self.opts.per_step])
+            for req in batch:
                 rid = self.request_id(req.client_id)
                 blocks = self.memory.allocate(req.num_blocks)
                 self.memory.fill(req.client_id, blocks)
@@ -130,7 +163,9 @@ class _PrefillLoop(_Loop):
                 _, params = sched.request_finished(rid, blocks, {"do_remote_decode": True})
                 nbytes = req.num_blocks * self.memory.shape.block_len * self.memory.shape.regions
                 emit("finished", client=req.client_id, t=time.time(), bytes=nbytes, params=params)
-            self.todo = self.todo[self.opts.per_step :]
+            self.todo = self.todo[len(batch) :]
+            if len(self.blocks) == 1 and self.rss_start is None:
+                self.rss_start = _rss_mb()
             output = self.step()
             for rid in output.finished_sending:
                 self.memory.free(self.blocks.pop(rid))
@@ -138,7 +173,12 @@ class _PrefillLoop(_Loop):
             if not self.todo and not sched.has_pending_push_work():
                 break
             self.idle()
-        return {"role": "prefill", "finished_sending": sent, "unresolved": len(self.blocks)}
+        return {
+            "role": "prefill",
+            "finished_sending": sent,
+            "unresolved": len(self.blocks),
+            "rss_mb_start": self.rss_start,
+        }
 
 
 class _DecodeLoop(_Loop):
@@ -153,13 +193,15 @@ class _DecodeLoop(_Loop):
         sizes = {req.client_id: req.num_blocks for req in self.todo}
         started = verified = failed = 0
         while time.monotonic() < self.deadline:
-            for client_id, params in self._take(legs, self.opts.per_step):
+            for client_id, params in self._take(legs, self.opts.per_step, sizes):
                 rid = self.request_id(client_id)
                 blocks = self.memory.allocate(sizes[client_id])
                 self.memory.clear(blocks)
                 self.blocks[rid], self.client_of[rid] = blocks, client_id
                 sched.update_state_after_alloc(rid, blocks, params)
                 started += 1
+            if started == 1 and self.rss_start is None:
+                self.rss_start = _rss_mb()
             output = self.step()
             for rid in output.finished_recving:
                 client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)
@@ -189,6 +231,7 @@ class _DecodeLoop(_Loop):
             "verified": verified,
             "failed": failed,
             "unresolved": len(self.blocks) + expected - started,
+            "rss_mb_start": self.rss_start,
         }
 
     def _given_up(self) -> list[str]:
@@ -210,16 +253,24 @@ class _DecodeLoop(_Loop):
             legs.put((req.client_id, decode_leg({}, prefill)["kv_transfer_params"]))
         return legs
 
-    @staticmethod
     def _take(
-        legs: queue.Queue[tuple[str, dict[str, Any]]], count: int
+        self, legs: queue.Queue[tuple[str, dict[str, Any]]], count: int, sizes: dict[str, int]
     ) -> list[tuple[str, dict[str, Any]]]:
+        """Up to `count` legs, in order, while their blocks fit the free pool."""
         taken: list[tuple[str, dict[str, Any]]] = []
+        free = self.memory.free_count
         while len(taken) < count:
-            try:
-                taken.append(legs.get_nowait())
-            except queue.Empty:
+            if self._held is None:
+                try:
+                    self._held = legs.get_nowait()
+                except queue.Empty:
+                    break
+            client_id, _params = self._held
+            if sizes[client_id] > free:
                 break
+            taken.append(self._held)
+            free -= sizes[client_id]
+            self._held = None
         return taken
 
 
@@ -251,6 +302,8 @@ def main_from_args(args: Any) -> int:
         wait_go=args.wait_go,
         mode=args.mode,
         step_ms=args.step_ms,
+        faults=args.faults,
+        fault_seed=args.fault_seed,
     )
     if opts.role == "decode" and not opts.peer_port:
         print(

@@ -1,0 +1,101 @@
+"""Seeded fault injection around the real push transport, for soak runs and tests.
+
+`FaultPlan.parse("write_fail=0.02,notif_drop=0.01,handshake_fail=0.05")` names the
+probability of each fault; `faulty_transport_factory(plan, seed)` returns a factory that
+builds a `NixlPushTransport` whose operations fail accordingly:
+
+- `write_fail`: a WRITE fails to post (P reports write_submit_failed; D is told, B-06);
+- `notif_drop`: an outgoing notif (PUSH_REG, heartbeat, WRITE-failed) or a WRITE's
+  completion notif is silently lost (the watchdog and the lease must clean up);
+- `handshake_fail`: a side-channel handshake fails (no retry loop; R-P12).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvhandoff.adapters.nixl_agent import NixlTransferError
+from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+from kvhandoff.adapters.push_transport import TransferHandle
+from kvhandoff.protocol.errors import LocalProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    write_fail: float = 0.0
+    notif_drop: float = 0.0
+    handshake_fail: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        known = {f.name for f in fields(cls)}
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, raw = part.partition("=")
+            if name not in known:
+                raise LocalProtocolError(f"unknown fault {name!r}; known: {sorted(known)}")
+            try:
+                values[name] = float(raw)
+            except ValueError:
+                raise LocalProtocolError(
+                    f"fault {name!r} needs a probability, got {raw!r}"
+                ) from None
+            if not 0.0 <= values[name] <= 1.0:
+                raise LocalProtocolError(f"fault {name!r} probability {raw} is not in [0, 1]")
+        return cls(**values)
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self))
+
+
+class _Dice:
+    """A seeded, thread-safe coin: the writer, main and executor threads all roll it."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.injected: dict[str, int] = {}
+
+    def roll(self, name: str, probability: float) -> bool:
+        with self._lock:
+            hit = probability > 0 and self._rng.random() < probability
+            if hit:
+                self.injected[name] = self.injected.get(name, 0) + 1
+            return hit
+
+
+def faulty_transport_factory(plan: FaultPlan, seed: int) -> Any:
+    dice = _Dice(seed)
+
+    class FaultyNixlPushTransport(NixlPushTransport):
+        injected = dice.injected
+
+        def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
+            if dice.roll("handshake_fail", plan.handshake_fail):
+                raise NixlTransferError("handshake", "injected handshake failure")
+            return super().fetch_handshake(host, port, timeout_s)
+
+        def send_notif(self, engine_id: str, message: bytes) -> None:
+            if dice.roll("notif_drop", plan.notif_drop):
+                return
+            super().send_notif(engine_id, message)
+
+        def write_blocks(
+            self,
+            engine_id: str,
+            local_block_ids: Sequence[int],
+            remote_block_ids: Sequence[int],
+            notif: bytes,
+        ) -> TransferHandle:
+            if dice.roll("write_fail", plan.write_fail):
+                raise NixlTransferError("write", "injected post failure")
+            if dice.roll("notif_drop", plan.notif_drop):
+                notif = b""
+            return super().write_blocks(engine_id, local_block_ids, remote_block_ids, notif)
+
+    return FaultyNixlPushTransport
