@@ -22,19 +22,19 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_push_demo(
-    requests: int, seed: int, backend: str = "UCX", timeout_s: float = 60.0, mode: str = "push"
+    requests: int,
+    seed: int,
+    backend: str = "UCX",
+    timeout_s: float = 60.0,
+    mode: str = "push",
+    pacing: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
-    common = [
-        "--mode",
-        mode,
-        "--requests",
-        str(requests),
-        "--seed",
-        str(seed),
-        "--backend",
-        backend,
-        "--wait-go",
-    ]
+    """Run P and D as processes; `pacing` = (requests per step, step ms) spreads arrivals
+    over time like live traffic instead of starting everything at once."""
+    per_step, step_ms = pacing or (4, 0.0)
+    common = ["--mode", mode, "--requests", str(requests), "--seed", str(seed)]
+    common += ["--backend", backend, "--wait-go", "--per-step", str(per_step)]
+    common += ["--step-ms", str(step_ms)]
     prefill = start_role("prefill", ["run", "prefill", "--listen", "127.0.0.1:0", *common])
     ready = wait_ready(prefill, 30.0)
     decode = start_role(
