@@ -41,7 +41,11 @@ class LivePushInstance:
         self.role = role
         self.config = config or PushConfig()
         self.memory = KVMemory(shape or KVShape())
-        self.agent = NixlAgent(f"{engine_id}-{secrets.token_hex(4)}", self.config.nixl_backend)
+        self.agent = NixlAgent(
+            f"{engine_id}-{secrets.token_hex(4)}",
+            self.config.nixl_backend,
+            progress_thread=self.config.nixl_progress_thread,
+        )
         self.transport = transport_factory(
             engine_id,
             self.agent,
