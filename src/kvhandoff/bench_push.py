@@ -16,13 +16,21 @@ measurements, taken in the same run and interleaved rep by rep:
 
 The KV regions use a real attention layout: each layer is one tensor of
 `2 x blocks x block_tokens x kv_heads x head_dim` bf16 (32 KiB per block per region with
-the defaults); on `--device cuda` these are CUDA tensors registered with NIXL as VRAM and
-both processes share the one GPU. P writes a pattern derived from (rep, request, region,
-block ordinal) into its blocks before each rep; D poisons its blocks before registering
-them and checks every word after the timed window. The result reports the median of the
-timed reps (after `warmup` untimed ones) of each measurement, and every sample.
+the defaults), or, with `kv_layout="cross_layer"`, one tensor whose blocks hold every
+layer (see `BenchKV`); on `--device cuda` these are CUDA tensors registered with NIXL as
+VRAM and both processes share the one GPU (the CLI then sets NIXL_UCX_SGL_ENABLE). P
+writes a pattern derived from (rep, request, region, block ordinal) into its blocks
+before each rep; D poisons its blocks before registering them and checks every word
+after the timed window. The result reports the median of the timed reps (after `warmup`
+untimed ones) of each measurement, every sample, and the milestones of each framework rep
+(`framework_phases_ms`). With `diagnose`, two raw NIXL measurements of the framework's own
+block descriptors are added (one WRITE per request; one WRITE for all), which separate
+the framework's cost from NIXL's per-descriptor and per-WRITE costs.
 
-Both processes read `time.monotonic()`, one system-wide clock on Linux.
+Between commands both processes keep stepping their connector like an idle engine, so
+D's PUSH_REGs reach P's writer before P finishes its requests, as in a deployment where D
+registers while P computes the prefill. Both processes read `time.monotonic()`, one
+system-wide clock on Linux.
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,8 +60,10 @@ if TYPE_CHECKING:
     from kvhandoff.machines.push_scheduler import PushConnectorOutput
 
 Device = Literal["cpu", "cuda"]
+KVLayout = Literal["layer", "cross_layer"]
 
 BASELINE_NOTIF = "kvhandoff-bench-baseline:"
+RAW_NOTIF = "kvhandoff-bench-raw:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +86,15 @@ class PushBenchConfig:
     """Requests P finishes per engine step; 0: all of them in the first step."""
     scattered: bool = False
     """Give each request a random set of blocks instead of one contiguous run per side."""
+    kv_layout: KVLayout = "layer"
+    """"layer": a K and a V region per layer; "cross_layer": one region, blocks span layers."""
     progress_thread: bool = True
+    ucx_sgl: bool = False
+    """Set NIXL_UCX_SGL_ENABLE=1 in both processes: NIXL posts a multi-descriptor WRITE
+    as one scatter-gather request instead of one UCX put per descriptor."""
+    diagnose: bool = False
+    """Also time, without the framework, raw WRITEs of the same block descriptors: one per
+    request (`raw_per_request`) and one for all requests (`raw_one_write`)."""
     backend: str = "UCX"
     timeout_s: float = 120.0
 
@@ -92,6 +111,12 @@ class PushBenchConfig:
         return self.blocks // self.requests
 
     @property
+    def descriptors_per_request(self) -> int:
+        """Block descriptors a WRITE names, before NIXL merges adjacent ones."""
+        per_block = 1 if self.kv_layout == "cross_layer" else self.regions
+        return per_block * self.blocks_per_request
+
+    @property
     def pushed_bytes(self) -> int:
         return self.regions * self.requests * self.blocks_per_request * self.block_len
 
@@ -100,6 +125,8 @@ class PushBenchConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if min(self.layers, self.requests, self.reps) < 1 or self.warmup < 0:
             raise ValueError("layers, requests and reps must be positive, warmup not negative")
+        if self.kv_layout not in ("layer", "cross_layer"):
+            raise ValueError(f"kv_layout must be layer or cross_layer, got {self.kv_layout!r}")
         if self.blocks_per_request < 1:
             raise ValueError(f"{self.blocks} blocks cannot be shared by {self.requests} requests")
 
@@ -125,17 +152,40 @@ def request_blocks(cfg: PushBenchConfig, role: str) -> list[list[int]]:
 
 
 class BenchKV:
-    """One side's KV regions: a bf16 tensor per layer, `[2, blocks, tokens, heads, dim]`."""
+    """One side's KV cache, bf16, in one of two layouts (`PushBenchConfig.kv_layout`).
+
+    - "layer": a tensor per layer, `[2, blocks, tokens, heads, dim]` (K then V); every
+      layer's K and V is a region of its own, `2 x layers` regions of `block_len` bytes.
+    - "cross_layer": one tensor `[blocks, layers, 2, tokens, heads, dim]`: a block holds
+      every layer's K and V, so the cache is one region whose blocks are
+      `2 x layers x block_len` bytes.
+
+    `region(r)` is the `[blocks, words]` int64 view of K/V region `r = 2 * layer + kv`
+    either way; patterns are written and checked through it.
+    """
 
     def __init__(self, cfg: PushBenchConfig, role: str, device: torch.device) -> None:
         import torch
 
         self.cfg = cfg
         self.torch = torch
-        shape = (2, cfg.blocks, cfg.block_tokens, cfg.kv_heads, cfg.head_dim)
-        self.layers = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(cfg.layers)]
         self.words = cfg.block_len // 8
-        self.views = [t.view(torch.int64).view(2, cfg.blocks, self.words) for t in self.layers]
+        per_block = (cfg.block_tokens, cfg.kv_heads, cfg.head_dim)
+        if cfg.kv_layout == "cross_layer":
+            whole_shape = (cfg.blocks, cfg.layers, 2, *per_block)
+            self.tensors = [torch.empty(whole_shape, dtype=torch.bfloat16, device=device)]
+            whole = self.tensors[0].view(torch.int64).view(cfg.blocks, cfg.regions, self.words)
+            self._regions = [whole[:, r] for r in range(cfg.regions)]
+        else:
+            shape = (2, cfg.blocks, *per_block)
+            self.tensors = [
+                torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(cfg.layers)
+            ]
+            self._regions = [
+                t.view(torch.int64).view(2, cfg.blocks, self.words)[kv]
+                for t in self.tensors
+                for kv in (0, 1)
+            ]
         self.blocks = request_blocks(cfg, role)
         owner = torch.full((cfg.blocks,), -1, dtype=torch.int64)
         ordinal = torch.zeros(cfg.blocks, dtype=torch.int64)
@@ -147,17 +197,25 @@ class BenchKV:
         self.ordinal = ordinal.to(device)
         self.word_index = torch.arange(self.words, dtype=torch.int64, device=device)
 
+    def region(self, r: int) -> torch.Tensor:
+        return self._regions[r]
+
     def regions(self) -> list[Any]:
+        """The `LocalRegion`s the push transport registers and describes."""
         from kvhandoff.protocol.member_routing import LocalRegion
 
+        cfg = self.cfg
+        if cfg.kv_layout == "cross_layer":
+            base = int(self.tensors[0].data_ptr())
+            return [LocalRegion(base, ("model.kv_cache",), cfg.regions * cfg.block_len, cfg.blocks)]
         return [
             LocalRegion(
                 int(t[kv].data_ptr()),
                 (f"model.layers.{layer}.self_attn.{'kv'[kv]}_cache",),
-                self.cfg.block_len,
-                self.cfg.blocks,
+                cfg.block_len,
+                cfg.blocks,
             )
-            for layer, t in enumerate(self.layers)
+            for layer, t in enumerate(self.tensors)
             for kv in (0, 1)
         ]
 
@@ -167,27 +225,26 @@ class BenchKV:
         return base[:, None] + self.word_index[None, :]
 
     def fill(self, rep: int) -> None:
-        for layer, view in enumerate(self.views):
-            for kv in (0, 1):
-                view[kv].copy_(self.expected(rep, 2 * layer + kv))
+        for r in range(self.cfg.regions):
+            self.region(r).copy_(self.expected(rep, r))
 
     def poison(self) -> None:
-        for view in self.views:
-            view.fill_(-1)
+        for t in self.tensors:
+            t.view(self.torch.int64).fill_(-1)
 
     def verify(self, rep: int) -> bool:
-        torch = self.torch
         used = self.used
-        for layer, view in enumerate(self.views):
-            for kv in (0, 1):
-                want = self.expected(rep, 2 * layer + kv)
-                if not torch.equal(view[kv][used], want[used]):
-                    return False
+        for r in range(self.cfg.regions):
+            if not self.torch.equal(self.region(r)[used], self.expected(rep, r)[used]):
+                return False
         return True
 
 
-def baseline_pattern(torch_mod: Any, words: int, rep: int, device: torch.device) -> torch.Tensor:
-    return torch_mod.arange(words, dtype=torch_mod.int64, device=device) + ((rep + 1) << 40)
+def baseline_pattern(words: int, rep: int, device: torch.device) -> torch.Tensor:
+    """The baseline buffer's words in `rep`: never zero, different in every rep."""
+    import torch
+
+    return torch.arange(words, dtype=torch.int64, device=device) + ((rep + 1) << 40)
 
 
 # -- one side, in its own process -----------------------------------------------------------
@@ -306,6 +363,19 @@ class _Side:
 
 
 class _Prefill(_Side):
+    def __init__(self, cfg: PushBenchConfig, role: str) -> None:
+        super().__init__(cfg, role)
+        # When each WRITE left the writer thread: the phases of a rep, for the report.
+        self.posted: list[float] = []
+        write_blocks = self.transport.write_blocks
+
+        def timed_write_blocks(*args: Any, **kwargs: Any) -> Any:
+            handle = write_blocks(*args, **kwargs)
+            self.posted.append(time.monotonic())
+            return handle
+
+        self.transport.write_blocks = timed_write_blocks  # type: ignore[method-assign]
+
     def prepare(self, rep: int) -> None:
         self.kv.fill(rep)
         self.sync()
@@ -317,12 +387,15 @@ class _Prefill(_Side):
         pending = {rid for rid, _ in todo}
         per_step = self.cfg.finish_per_step or len(todo)
         deadline = self.deadline()
+        self.posted.clear()
+        t_step = 0.0
         t_first = time.monotonic()
         while pending and time.monotonic() < deadline:
             for rid, blocks in todo[:per_step]:
                 sched.request_finished(rid, blocks, {"do_remote_decode": True})
             todo = todo[per_step:]
             output = self.step()
+            t_step = t_step or time.monotonic()
             pending -= output.finished_sending
             if pending:
                 self.idle()
@@ -331,13 +404,16 @@ class _Prefill(_Side):
             rep=rep,
             t_first=t_first,
             t_sent=time.monotonic(),
+            t_step=t_step,
+            t_post_first=min(self.posted, default=None),
+            t_post_last=max(self.posted, default=None),
             unsent=len(pending),
             **self.counters(),
         )
 
     def baseline_prepare(self, rep: int, remote_addr: int, nbytes: int) -> None:
         self.stop_writer()
-        self.baseline.copy_(baseline_pattern(self.torch, nbytes // 8, rep, self.device))
+        self.baseline.copy_(baseline_pattern(nbytes // 8, rep, self.device))
         self.sync()
         if self._baseline_descs is None:
             mem = self.transport.mem
@@ -370,11 +446,54 @@ class _Prefill(_Side):
         self.start_writer()
         emit("baseline_sent", rep=rep, t0=t0, t_done=t_done, state=handle.state)
 
+    def raw_go(self, rep: int, per_request: bool) -> None:
+        """Diagnostic, no framework: the framework's block descriptors in raw WRITEs, either
+        one WRITE per request (each with a notif) or every request's in a single WRITE."""
+        transport = self.transport
+        peer = transport._peer("bench-decode")  # the bench looks inside on purpose
+        local_layout, remote_layout = transport._local.layout, peer.prepped.layout
+        pairs = list(zip(self.kv.blocks, request_blocks(self.cfg, "decode"), strict=True))
+        if not per_request:
+            pairs = [([b for p, _ in pairs for b in p], [b for _, d in pairs for b in d])]
+        self.stop_writer()
+        agent = self.agent
+        deadline = self.deadline()
+        t0 = time.monotonic()
+        handles = []
+        for q, (local_ids, remote_ids) in enumerate(pairs):
+            local_idx = local_layout.indices_for_blocks(local_ids)
+            remote_idx = remote_layout.indices_for_blocks(remote_ids, regions=peer.route.regions)
+            notif = f"{RAW_NOTIF}{rep}:{q}".encode()
+            local = transport._local
+            handles.append(agent.write(local, local_idx, peer.prepped, remote_idx, notif))
+        states = set()
+        for handle in handles:
+            while agent.poll(handle) == "PROC" and time.monotonic() < deadline:
+                pass
+            states.add(handle.state)
+            agent.release(handle)
+        t_done = time.monotonic()
+        self.start_writer()
+        state = states.pop() if len(states) == 1 else "ERR"
+        emit("raw_sent", rep=rep, t0=t0, t_done=t_done, state=state, writes=len(handles))
+
 
 class _Decode(_Side):
     def __init__(self, cfg: PushBenchConfig, role: str, prefill_port: int) -> None:
         super().__init__(cfg, role)
         self.prefill_port = prefill_port
+        # When D's writer first saw notifs after arming: the phases of a rep, for the report.
+        self.t_notif_first: float | None = None
+        self.watch_notifs = False
+        get_new_notifs = self.transport.get_new_notifs
+
+        def timed_get_new_notifs() -> list[tuple[str, bytes]]:
+            notifs = get_new_notifs()
+            if notifs and self.watch_notifs and self.t_notif_first is None:
+                self.t_notif_first = time.monotonic()
+            return notifs
+
+        self.transport.get_new_notifs = timed_get_new_notifs  # type: ignore[method-assign]
 
     def arm(self, rep: int) -> None:
         from kvhandoff.machines.push_d_registration import KIND as D_KIND
@@ -404,23 +523,30 @@ class _Decode(_Side):
             if not any(_unsent(bus.get(D_KIND, rid)) for rid in pending):
                 break
             self.idle()
+        self.t_notif_first = None
+        self.watch_notifs = True
         emit("armed", rep=rep)
         t_last = time.monotonic()
+        t_recv_first = None
         while pending and time.monotonic() < deadline:
             output = self.step()
             if output.finished_recving or output.failed_recving:
                 t_last = time.monotonic()
+                t_recv_first = t_recv_first or t_last
                 pending -= output.finished_recving
                 failed.update(output.failed_recving)
                 pending -= set(output.failed_recving)
             if pending:
                 self.idle()
+        self.watch_notifs = False
         self.sync()
         verified = not pending and not failed and self.kv.verify(rep)
         emit(
             "received",
             rep=rep,
             t_last=t_last,
+            t_recv_first=t_recv_first,
+            t_notif_first=self.t_notif_first,
             unresolved=len(pending),
             failed=len(failed),
             early=received_before_armed,
@@ -433,20 +559,42 @@ class _Decode(_Side):
         self.stop_writer()  # this loop is the only consumer of notifs until it is done
         self.baseline.fill_(-1)
         self.sync()
-        want = f"{BASELINE_NOTIF}{rep}".encode()
         emit("baseline_armed", rep=rep)
-        agent = self.agent
-        deadline = self.deadline()
-        t_end = None
-        while t_end is None and time.monotonic() < deadline:
-            for _peer, message in agent.get_new_notifs():
-                if message == want:
-                    t_end = time.monotonic()
+        t_end = self._wait_notif(f"{BASELINE_NOTIF}{rep}".encode())
         self.sync()
-        pattern = baseline_pattern(self.torch, nbytes // 8, rep, self.device)
-        verified = t_end is not None and bool(self.torch.equal(self.baseline[: nbytes // 8], pattern))
+        pattern = baseline_pattern(nbytes // 8, rep, self.device)
+        verified = t_end is not None and bool(
+            self.torch.equal(self.baseline[: nbytes // 8], pattern)
+        )
         self.start_writer()
         emit("baseline_received", rep=rep, t_end=t_end, verified=verified)
+
+    def raw_arm(self, rep: int, writes: int) -> None:
+        """Diagnostic: wait for P's raw WRITEs of the framework's blocks, then check the KV."""
+        self.stop_writer()
+        self.kv.poison()
+        self.sync()
+        emit("raw_armed", rep=rep)
+        t_end = self._wait_notifs({f"{RAW_NOTIF}{rep}:{q}".encode() for q in range(writes)})
+        self.sync()
+        verified = t_end is not None and self.kv.verify(rep)
+        self.start_writer()
+        emit("raw_received", rep=rep, t_end=t_end, verified=verified)
+
+    def _wait_notif(self, want: bytes) -> float | None:
+        return self._wait_notifs({want})
+
+    def _wait_notifs(self, want: set[bytes]) -> float | None:
+        """Poll NIXL notifs (the writer thread is stopped) until all of `want` arrived."""
+        agent = self.agent
+        deadline = self.deadline()
+        missing = set(want)
+        while time.monotonic() < deadline:
+            for _peer, message in agent.get_new_notifs():
+                missing.discard(message)
+            if not missing:
+                return time.monotonic()
+        return None
 
 
 _UNSENT = frozenset({"stashed", "in_meta", "queued", "awaiting_handshake"})
@@ -457,11 +605,41 @@ def _unsent(inst: Any) -> bool:
     return inst is not None and inst.state in _UNSENT
 
 
+IDLE_STEP_S = 0.001
+
+
+def _commands(side: _Side) -> Iterator[dict[str, Any]]:
+    """Commands from stdin, one JSON object a line; between them the engine keeps stepping.
+
+    An idle engine still runs its connector every step (here every `IDLE_STEP_S`), so
+    its writer consumes what peers send meanwhile (D's PUSH_REGs reach P's writer while P
+    "prefills", as in a real deployment).
+    """
+    fd = sys.stdin.fileno()
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            ready, _, _ = select.select([fd], [], [], IDLE_STEP_S)
+            if not ready:
+                if side.writer is not None:
+                    side.step()
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
+        if line.strip():
+            yield json.loads(line)
+
+
 def child_main(argv: list[str]) -> int:
     """`python -m kvhandoff.bench_push ROLE CONFIG_JSON [PREFILL_PORT]`; commands on stdin."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     role, raw = argv[0], json.loads(argv[1])
     cfg = PushBenchConfig(**raw)
+    if cfg.ucx_sgl:
+        os.environ["NIXL_UCX_SGL_ENABLE"] = "1"  # read when the UCX backend is created
     side: _Prefill | _Decode = (
         _Prefill(cfg, role) if role == "prefill" else _Decode(cfg, role, int(argv[2]))
     )
@@ -473,8 +651,7 @@ def child_main(argv: list[str]) -> int:
         device=device,
     )
     try:
-        for line in sys.stdin:
-            cmd = json.loads(line)
+        for cmd in _commands(side):
             op = cmd.pop("op")
             if op == "quit":
                 break
@@ -531,11 +708,76 @@ def _start(role: str, cfg: PushBenchConfig, *extra: str) -> _Child:
 
 @dataclass
 class _Samples:
-    framework_s: list[float] = field(default_factory=list)
-    baseline_s: list[float] = field(default_factory=list)
-    framework_ok: list[bool] = field(default_factory=list)
-    baseline_ok: list[bool] = field(default_factory=list)
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    verified: dict[str, list[bool]] = field(default_factory=dict)
+    phases_ms: list[dict[str, float | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    def add(self, what: str, seconds: float, ok: bool, timed: bool) -> None:
+        self.verified.setdefault(what, []).append(ok)
+        if timed:
+            self.seconds.setdefault(what, []).append(seconds)
+
+
+def _phases(pushed: dict[str, Any], received: dict[str, Any]) -> dict[str, float | None]:
+    """Milestones of a framework rep in ms after P's first request_finished."""
+    start = pushed["t_first"]
+    marks = {
+        "first_step_done": pushed["t_step"],
+        "first_write_posted": pushed["t_post_first"],
+        "last_write_posted": pushed["t_post_last"],
+        "first_notif_at_d": received["t_notif_first"],
+        "first_finished_recving": received["t_recv_first"],
+        "last_finished_recving": received["t_last"],
+        "all_finished_sending": pushed["t_sent"],
+    }
+    return {k: None if t is None else round((t - start) * 1e3, 3) for k, t in marks.items()}
+
+
+def _framework_rep(
+    p: _Child, d: _Child, rep: int, timeout: float, phases: list[dict[str, float | None]]
+) -> tuple[float, bool, str]:
+    p.send("prepare", rep=rep)
+    p.expect("prepared", timeout)
+    d.send("arm", rep=rep)
+    d.expect("armed", timeout)
+    p.send("go", rep=rep)
+    pushed = p.expect("pushed", timeout)
+    received = d.expect("received", timeout)
+    ok = bool(received["verified"]) and pushed["unsent"] == 0
+    phases.append(_phases(pushed, received))
+    return received["t_last"] - pushed["t_first"], ok, f"P {pushed}, D {received}"
+
+
+def _baseline_rep(
+    p: _Child, d: _Child, rep: int, timeout: float, remote_addr: int, nbytes: int
+) -> tuple[float, bool, str]:
+    p.send("baseline_prepare", rep=rep, remote_addr=remote_addr, nbytes=nbytes)
+    p.expect("baseline_prepared", timeout)
+    d.send("baseline_arm", rep=rep, nbytes=nbytes)
+    d.expect("baseline_armed", timeout)
+    p.send("baseline_go", rep=rep)
+    sent = p.expect("baseline_sent", timeout)
+    got = d.expect("baseline_received", timeout)
+    if got["t_end"] is None:
+        return float("nan"), False, f"P {sent}, D {got}"
+    ok = bool(got["verified"]) and sent["state"] == "DONE"
+    return got["t_end"] - sent["t0"], ok, f"P {sent}, D {got}"
+
+
+def _raw_rep(
+    p: _Child, d: _Child, rep: int, timeout: float, writes: int
+) -> tuple[float, bool, str]:
+    """Diagnostic; P's KV still holds the pattern of this rep's framework push."""
+    d.send("raw_arm", rep=rep, writes=writes)
+    d.expect("raw_armed", timeout)
+    p.send("raw_go", rep=rep, per_request=writes > 1)
+    sent = p.expect("raw_sent", timeout)
+    got = d.expect("raw_received", timeout)
+    if got["t_end"] is None:
+        return float("nan"), False, f"P {sent}, D {got}"
+    ok = bool(got["verified"]) and sent["state"] == "DONE"
+    return got["t_end"] - sent["t0"], ok, f"P {sent}, D {got}"
 
 
 def run_push_bench(
@@ -556,40 +798,23 @@ def run_push_bench(
         for i in range(cfg.warmup + cfg.reps):
             timed = i >= cfg.warmup
             label = f"rep {i - cfg.warmup + 1}/{cfg.reps}" if timed else "warm-up"
-            # framework
-            prefill.send("prepare", rep=i)
-            prefill.expect("prepared", timeout)
-            decode.send("arm", rep=i)
-            decode.expect("armed", timeout)
-            prefill.send("go", rep=i)
-            pushed = prefill.expect("pushed", timeout)
-            received = decode.expect("received", timeout)
-            fw_s = received["t_last"] - pushed["t_first"]
-            fw_ok = bool(received["verified"]) and pushed["unsent"] == 0
-            if not fw_ok:
-                samples.notes.append(f"framework {label}: P {pushed}, D {received}")
-            # baseline
-            prefill.send("baseline_prepare", rep=i, remote_addr=ready_d["baseline_addr"], nbytes=nbytes)
-            prefill.expect("baseline_prepared", timeout)
-            decode.send("baseline_arm", rep=i, nbytes=nbytes)
-            decode.expect("baseline_armed", timeout)
-            prefill.send("baseline_go", rep=i)
-            sent = prefill.expect("baseline_sent", timeout)
-            got = decode.expect("baseline_received", timeout)
-            bl_ok = bool(got["verified"]) and sent["state"] == "DONE" and got["t_end"] is not None
-            bl_s = (got["t_end"] - sent["t0"]) if got["t_end"] is not None else float("nan")
-            if not bl_ok:
-                samples.notes.append(f"baseline {label}: P {sent}, D {got}")
-            progress(
-                f"push {label}: framework {nbytes / fw_s / 1e9:.2f} GB/s"
-                f"{'' if fw_ok else ' (NOT VERIFIED)'}, baseline {nbytes / bl_s / 1e9:.2f} GB/s"
-                f"{'' if bl_ok else ' (NOT VERIFIED)'}"
-            )
-            samples.framework_ok.append(fw_ok)
-            samples.baseline_ok.append(bl_ok)
-            if timed:
-                samples.framework_s.append(fw_s)
-                samples.baseline_s.append(bl_s)
+            runs = {
+                "framework": _framework_rep(prefill, decode, i, timeout, samples.phases_ms),
+                "baseline": _baseline_rep(
+                    prefill, decode, i, timeout, ready_d["baseline_addr"], nbytes
+                ),
+            }
+            if cfg.diagnose:
+                runs["raw_per_request"] = _raw_rep(prefill, decode, i, timeout, cfg.requests)
+                runs["raw_one_write"] = _raw_rep(prefill, decode, i, timeout, 1)
+            line = []
+            for what, (seconds, ok, detail) in runs.items():
+                samples.add(what, seconds, ok, timed)
+                if not ok:
+                    samples.notes.append(f"{what} {label}: {detail}")
+                flag = "" if ok else " (NOT VERIFIED)"
+                line.append(f"{what} {nbytes / seconds / 1e9:.2f} GB/s{flag}")
+            progress(f"push {label}: " + ", ".join(line))
         for child in children:
             child.send("quit")
         for child in children:
@@ -601,14 +826,11 @@ def run_push_bench(
 
 def _result(cfg: PushBenchConfig, samples: _Samples, device: str) -> dict[str, Any]:
     nbytes = cfg.pushed_bytes
-    fw_s = statistics.median(samples.framework_s)
-    bl_s = statistics.median(samples.baseline_s)
-    framework_gbps = nbytes / fw_s / 1e9
-    baseline_gbps = nbytes / bl_s / 1e9
-    return {
-        "framework_gbps": round(framework_gbps, 3),
-        "baseline_gbps": round(baseline_gbps, 3),
-        "ratio": round(framework_gbps / baseline_gbps, 3),
+    gbps = {w: nbytes / statistics.median(t) / 1e9 for w, t in samples.seconds.items()}
+    result: dict[str, Any] = {
+        "framework_gbps": round(gbps["framework"], 3),
+        "baseline_gbps": round(gbps["baseline"], 3),
+        "ratio": round(gbps["framework"] / gbps["baseline"], 3),
         "device": device,
         "statistic": "median",
         "bytes": nbytes,
@@ -616,17 +838,27 @@ def _result(cfg: PushBenchConfig, samples: _Samples, device: str) -> dict[str, A
         "regions": cfg.regions,
         "blocks_per_request": cfg.blocks_per_request,
         "block_len": cfg.block_len,
-        "framework_verified": all(samples.framework_ok),
-        "baseline_verified": all(samples.baseline_ok),
-        "framework_samples_gbps": [round(nbytes / s / 1e9, 3) for s in samples.framework_s],
-        "baseline_samples_gbps": [round(nbytes / s / 1e9, 3) for s in samples.baseline_s],
-        "notes": samples.notes,
-        "config": asdict(cfg),
+        "kv_layout": cfg.kv_layout,
+        "descriptors_per_request": cfg.descriptors_per_request,
+        "framework_verified": all(samples.verified["framework"]),
+        "baseline_verified": all(samples.verified["baseline"]),
     }
+    for what in ("raw_per_request", "raw_one_write"):
+        if what in gbps:
+            result[f"{what}_gbps"] = round(gbps[what], 3)
+            result[f"{what}_verified"] = all(samples.verified[what])
+    for what, seconds in samples.seconds.items():
+        result[f"{what}_samples_gbps"] = [round(nbytes / s / 1e9, 3) for s in seconds]
+    result["framework_phases_ms"] = samples.phases_ms[cfg.warmup :]
+    result["notes"] = samples.notes
+    result["config"] = asdict(cfg)
+    return result
 
 
 def config_for(device: Device, quick: bool) -> PushBenchConfig:
-    return replace(QUICK if quick else PushBenchConfig(), device=device)
+    """The CLI's configuration. On CUDA, NIXL's UCX scatter-gather WRITE is switched on: it
+    posts a request's many block descriptors as one batched copy (see bench/RESULTS.md)."""
+    return replace(QUICK if quick else PushBenchConfig(), device=device, ucx_sgl=device == "cuda")
 
 
 if __name__ == "__main__":

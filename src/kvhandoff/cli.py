@@ -41,7 +41,19 @@ def _cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_ec(args: argparse.Namespace) -> int:
+    from kvhandoff.bench_ec import config_for, print_summary, run_ec_bench
+
+    result = run_ec_bench(config_for(args.device, args.quick, args.blocks), _progress)
+    if not args.json:
+        print_summary(result)
+    print(json.dumps(result) if args.json else "")
+    return 0 if result["verified"] else 1
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "ec":
+        return _cmd_bench_ec(args)
     if args.what == "latency":
         return _cmd_bench_latency(args)
     if args.what == "dispatch":
@@ -82,6 +94,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from kvhandoff.demo.push_role import main_from_args
 
         return main_from_args(args)
+    if args.role in ("producer", "consumer"):
+        from kvhandoff.demo.ec_role import main_from_args as ec_main
+
+        return ec_main(args)
     raise SystemExit(f"role {args.role!r} is not available yet")
 
 
@@ -92,6 +108,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     ok = True
     line = []
     modes = {"all": ("push", "pull", "ec")}.get(args.what, (args.what,))
+    ec_demo = None
+    if "ec" in modes:  # its roles start up (torch, NIXL) while the other demos run
+        from kvhandoff.demo.ec_demo import ECDemo
+
+        ec_demo = ECDemo(args.requests, args.seed, args.backend)
     for mode in ("push", "pull"):
         if mode not in modes:
             continue
@@ -107,6 +128,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             )
         results[mode] = {k: run[k] for k in ("requests", "verified", "p50_ms", "p99_ms", "gbps")}
         line.append(f"{mode} {run['verified']}/{args.requests} verified")
+    if ec_demo is not None:
+        from kvhandoff.demo.ec_demo import EC_KEYS
+
+        ec = ec_demo.run()
+        for failure in ec["failures"]:
+            print(f"ec failure: {failure}", file=sys.stderr)
+        served = ec["served_p2p"] + ec["fallback_local"]
+        ok &= not ec["failures"] and ec["verified"] == served == args.requests
+        if not args.json:
+            print(
+                f"ec: {ec['verified']}/{args.requests} verified, {ec['served_p2p']} pulled "
+                f"over NIXL READ ({ec['retried_not_ready']} after NACK_NOT_READY), "
+                f"{ec['fallback_local']} encoded locally after a NACK"
+            )
+        results["ec"] = {k: ec[k] for k in EC_KEYS}
+        line.append(f"ec {ec['verified']}/{args.requests} served")
     if args.json:
         print(json.dumps(results))
     elif ok:
@@ -142,13 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     diagrams.set_defaults(func=_cmd_diagrams)
 
     bench = sub.add_parser("bench", help="benchmarks, as ratios against same-run baselines")
-    bench.add_argument("what", choices=["dispatch", "push", "latency"])
+    bench.add_argument("what", choices=["dispatch", "push", "latency", "ec"])
     bench.add_argument("--requests", type=int, default=64, help="latency: requests per run")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
     bench.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="push: where the KV lives"
     )
+    bench.add_argument("--blocks", type=int, default=None, help="ec: blocks per batch")
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="the main job: real processes over NIXL and ZMQ")
@@ -178,8 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--deadline", type=float, default=60.0, help="seconds before giving up")
     run.add_argument("--per-step", type=int, default=4, help="requests started per engine step")
     run.add_argument("--wait-go", action="store_true", help="start after a line on stdin")
-    run.add_argument("--config", default="{}", help="JSON object of push config overrides")
+    run.add_argument(
+        "--config", default="{}", help="JSON object of push (or EC extra) config overrides"
+    )
     run.add_argument("--mode", choices=["push", "pull"], default="push", help="KV transfer mode")
+    run.add_argument(
+        "--relay", action="store_true", help="consumer: take publications on stdin (a proxy)"
+    )
+    run.add_argument("--advertise-host", default=None, help="producer: host to publish")
     run.add_argument("--step-ms", type=float, default=0.0, help="pace each engine step")
     run.add_argument("--faults", default="", help="e.g. write_fail=0.02,notif_drop=0.01")
     run.add_argument("--fault-seed", type=int, default=0)
