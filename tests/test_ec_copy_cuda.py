@@ -1,0 +1,192 @@
+"""R-E05 on CUDA: `CudaCopyEngine` saves and loads token rows with the bytes verified.
+
+Every copy method is checked on scattered and contiguous blocks, with row sizes that
+select 16-, 8- and 2-byte words. Skipped, with the reason, where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvhandoff.adapters.shm_region import SharedRegion
+from kvhandoff.machines.ec_meta import CopyItem
+
+if not torch.cuda.is_available():
+    pytest.skip(
+        f"CUDA not available: torch {torch.__version__} (CUDA build {torch.version.cuda}) "
+        "sees no GPU; the CUDA copy engine runs on a GPU machine",
+        allow_module_level=True,
+    )
+
+from kvhandoff.adapters.ec_copy_cuda import CudaCopyEngine, runs_of
+
+pytestmark = pytest.mark.gpu
+
+NUM_BLOCKS = 96
+
+
+MakeRegion = Callable[[int], SharedRegion]
+
+
+@pytest.fixture
+def region_of() -> Iterator[MakeRegion]:
+    made: list[SharedRegion] = []
+
+    def make(block_size: int) -> SharedRegion:
+        name = f"kvhandoff_ec_test_{secrets.token_hex(6)}.mmap"
+        region = SharedRegion.create(name, NUM_BLOCKS * block_size)
+        made.append(region)
+        return region
+
+    yield make
+    for region in made:
+        region.unlink()
+        with contextlib.suppress(Exception):  # a tensor outlived the test: exit unmaps it
+            region.close()
+
+
+def _wait(engine: CudaCopyEngine, batch_id: int) -> bool:
+    """Poll until the batch is reported (a hang guard, not a timing check)."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        for done_id, ok in engine.poll():
+            assert done_id == batch_id
+            return ok
+    raise AssertionError(f"batch {batch_id} never reported")
+
+
+def _layout(contiguous: bool) -> list[list[int]]:
+    """Blocks of three encodings (5, 17 and 40 tokens) inside the region."""
+    sizes = (5, 17, 40)
+    if contiguous:
+        order = list(range(NUM_BLOCKS))
+    else:
+        gen = torch.Generator().manual_seed(7)
+        order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    out, start = [], 0
+    for size in sizes:
+        out.append(order[start : start + size])
+        start += size
+    return out
+
+
+def _bytes(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8).view(-1, block_size).cpu()
+
+
+METHODS = ["auto", "kernel", "runs", "per_block", "batch_memcpy"]
+# (dtype, hidden): 8 KiB rows (16-byte words), 8200-byte rows (8-byte words), 6-byte rows.
+ROWS = [(torch.bfloat16, 4096), (torch.float32, 2050), (torch.float16, 3)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("contiguous", [False, True], ids=["scattered", "contiguous"])
+@pytest.mark.parametrize("dtype,hidden", ROWS, ids=["8KiB", "8200B", "6B"])
+def test_R_E05_cuda_save_then_load_round_trips_bytes(
+    region_of: MakeRegion, method: str, contiguous: bool, dtype: torch.dtype, hidden: int
+) -> None:
+    block_size = hidden * torch.tensor([], dtype=dtype).element_size()
+    region = region_of(block_size)
+    host = region.as_tensor()
+    rows = host[: NUM_BLOCKS * block_size].view(NUM_BLOCKS, block_size)
+    try:
+        engine = CudaCopyEngine(host, block_size, method=method)  # type: ignore[arg-type]
+    except Exception as exc:  # an optional method this machine may lack
+        if method == "batch_memcpy":
+            pytest.skip(f"batch memcpy unavailable here: {exc}")
+        raise
+    try:
+        layout = _layout(contiguous)
+        items = [CopyItem(f"mm-{i}", tuple(b), len(b)) for i, b in enumerate(layout)]
+        # Sources computed on the caller's stream right before the save: the engine's
+        # stream must wait for them.
+        halves = block_size // 2
+        cache = {
+            item.mm_hash: torch.randint(
+                -(2**15), 2**15, (item.num_tokens, halves), dtype=torch.int16, device="cuda"
+            ).view(dtype)
+            for item in items
+        }
+        rows.zero_()
+        engine.submit(1, "save", items, cache)
+        assert _wait(engine, 1) is True
+        for item in items:
+            expected = _bytes(cache[item.mm_hash], block_size)
+            got = rows[torch.tensor(item.blocks)]
+            assert torch.equal(got, expected), f"{method}: save of {item.mm_hash} differs"
+
+        pattern = torch.randint(0, 256, (NUM_BLOCKS, block_size), dtype=torch.uint8)
+        rows.copy_(pattern)
+        for tensor in cache.values():
+            tensor.view(torch.uint8).fill_(0xA5)
+        engine.submit(2, "load", items, cache)
+        assert _wait(engine, 2) is True
+        for item in items:
+            expected = pattern[torch.tensor(item.blocks)]
+            got = _bytes(cache[item.mm_hash], block_size)
+            assert torch.equal(got, expected), f"{method}: load of {item.mm_hash} differs"
+        assert engine.in_flight() == 0
+    finally:
+        engine.close()
+        del rows, host
+
+
+def test_R_E05_cuda_many_batches_on_the_stream_pool(region_of: MakeRegion) -> None:
+    block_size = 8192
+    region = region_of(block_size)
+    host = region.as_tensor()
+    rows = host[: NUM_BLOCKS * block_size].view(NUM_BLOCKS, block_size)
+    engine = CudaCopyEngine(host, block_size, streams=3)
+    try:
+        cache = {
+            f"mm-{i}": torch.randint(0, 256, (8, block_size), dtype=torch.uint8, device="cuda")
+            for i in range(12)
+        }
+        items = [CopyItem(f"mm-{i}", tuple(range(8 * i, 8 * i + 8)), 8) for i in range(12)]
+        for i, item in enumerate(items):
+            engine.submit(10 + i, "save", [item], cache)
+        seen: dict[int, bool] = {}
+        deadline = time.monotonic() + 60.0
+        while len(seen) < len(items) and time.monotonic() < deadline:
+            seen.update(engine.poll())
+        assert seen == {10 + i: True for i in range(12)}
+        for item in items:
+            assert torch.equal(rows[list(item.blocks)], cache[item.mm_hash].cpu())
+    finally:
+        engine.close()
+        del rows, host
+
+
+def test_R_E05_cuda_bad_batches_are_reported_failed(region_of: MakeRegion) -> None:
+    block_size = 8192
+    region = region_of(block_size)
+    host = region.as_tensor()
+    engine = CudaCopyEngine(host, block_size)
+    try:
+        cache = {"a": torch.zeros((2, block_size), dtype=torch.uint8, device="cuda")}
+        engine.submit(1, "save", [CopyItem("missing", (0, 1), 2)], cache)
+        engine.submit(2, "save", [CopyItem("a", (0, NUM_BLOCKS), 2)], cache)
+        engine.submit(3, "load", [CopyItem("a", (0, 1, 2), 3)], cache)  # tensor too short
+        engine.submit(4, "save", [CopyItem("a", (4, 5), 2)], cache)
+        seen: dict[int, bool] = {}
+        deadline = time.monotonic() + 60.0
+        while len(seen) < 4 and time.monotonic() < deadline:
+            seen.update(engine.poll())
+        assert seen == {1: False, 2: False, 3: False, 4: True}
+    finally:
+        engine.close()
+        del host
+
+
+def test_runs_of_splits_block_ids_into_consecutive_runs() -> None:
+    import numpy as np
+
+    starts, lengths = runs_of(np.array([3, 4, 5, 9, 1, 2, 7], dtype=np.int64))
+    assert starts.tolist() == [0, 3, 4, 6]
+    assert lengths.tolist() == [3, 1, 2, 1]
