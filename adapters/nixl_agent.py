@@ -12,6 +12,12 @@ Descriptor numbering (`BlockLayout`): a layout is an ordered list of regions, ea
 is the sum of `num_blocks` over the regions before `r`. When every region has the same
 `num_blocks = N` this is `r * N + b`; regions of different capacity (R-P14) are allowed.
 
+One descriptor per block is enough: NIXL's `make_prepped_xfer` merges every run of index
+pairs that is consecutive on both sides into one descriptor before the backend sees it
+(its debug log says "merged 1024 indices into 64 descriptors" for a 16-block request in
+64 regions). Coarser lists prepared here would not lower what the backend posts
+(bench/RESULTS.md, "## Push", descriptor coalescing).
+
 The NIXL backend is a constructor argument, UCX by default (B-03). The agent is created
 with a thread-synchronisation mode (STRICT by default) because the push writer thread and
 the main thread (heartbeats) both call into it.

@@ -17,6 +17,9 @@ Printed per variant: median `make_prepped_xfer` time per request (µs) and media
 post all WRITEs and see them done (ms). Also the prep time of a per-block list and of a
 list holding every power-of-two run length 1..128 starting at every block.
 With `NIXL_LOG_LEVEL=DEBUG` NIXL logs "merged X indices into Y descriptors" per request.
+Both agents live in one process, so on CUDA UCX does not take its cuda_ipc path (absolute
+GB/s are far below `kvhandoff bench push`, and `NIXL_UCX_SGL_ENABLE=1` finds no protocol);
+compare the variants with one another, not with the bench.
 """
 
 from __future__ import annotations
