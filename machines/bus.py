@@ -40,6 +40,7 @@ EffectHandler = Callable[[Any, Any], None]
 ErrorHook = Callable[[Instance, str, BaseException], None]
 
 _MIN_COMPACT = 1024
+_heappush = heapq.heappush  # one global lookup on the hot path
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +173,7 @@ class EventBus:
         else:
             heap = self._heap
             entry = [self.clock() + seconds, inst, True]
-            heapq.heappush(heap, entry)
+            _heappush(heap, entry)
             inst.timer = entry
             if len(heap) > self._compact_at:
                 self._compact()
