@@ -28,6 +28,7 @@ LOCAL_TIER_MODULES: tuple[str, ...] = (
     "kvhandoff.machines.ec_scheduler",
     "kvhandoff.machines.ec_worker",
     "kvhandoff.machines.ec_connector",
+    "kvhandoff.adapters.ec_copy_cpu",
 )
 """Every module the local (no `ec_enable_nixl`) tier may import."""
 
