@@ -44,9 +44,7 @@ def test_R_P03_R_P11_p_lease_model() -> None:
     )
 
 
-OPS = st.sampled_from(
-    [ReplayRegistration("d-1", REG), ReplayPush("p-1", (3, 4), REG)]
-)
+OPS = st.sampled_from([ReplayRegistration("d-1", REG), ReplayPush("p-1", (3, 4), REG)])
 
 
 def test_R_P05_handshake_model() -> None:
