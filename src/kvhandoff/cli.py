@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--advertise-host", default=None, help="producer: host to publish")
     run.add_argument("--step-ms", type=float, default=0.0, help="pace each engine step")
+    run.add_argument("--warmup", action="store_true", help="run the first request alone")
     run.add_argument("--faults", default="", help="e.g. write_fail=0.02,notif_drop=0.01")
     run.add_argument("--fault-seed", type=int, default=0)
     run.set_defaults(func=_cmd_run)

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from kvhandoff.demo.launcher import collect, go, relay, start_role, wait_ready
+from kvhandoff.demo.push_role import demo_requests
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -28,13 +29,14 @@ def run_push_demo(
     timeout_s: float = 60.0,
     mode: str = "push",
     pacing: tuple[int, float] | None = None,
+    warmup: bool = False,
 ) -> dict[str, Any]:
     """Run P and D as processes; `pacing` = (requests per step, step ms) spreads arrivals
     over time like live traffic instead of starting everything at once."""
     per_step, step_ms = pacing or (4, 0.0)
     common = ["--mode", mode, "--requests", str(requests), "--seed", str(seed)]
     common += ["--backend", backend, "--wait-go", "--per-step", str(per_step)]
-    common += ["--step-ms", str(step_ms)]
+    common += ["--step-ms", str(step_ms), *(["--warmup"] if warmup else [])]
     prefill = start_role("prefill", ["run", "prefill", "--listen", "127.0.0.1:0", *common])
     ready = wait_ready(prefill, 30.0)
     decode = start_role(
@@ -79,9 +81,12 @@ def run_push_demo(
             summaries[role] = event
 
     collect([prefill, decode], timeout_s, on_event)
-    latencies = [(received[c] - finished[c][0]) * 1000.0 for c in received if c in finished]
-    total_bytes = sum(finished[c][1] for c in received if c in finished)
-    span = (max(received.values()) - min(t for t, _ in finished.values())) if received else 0.0
+    warmed = {demo_requests(1, seed)[0].client_id} if warmup else set()
+    measured = [c for c in received if c in finished and c not in warmed]
+    latencies = [(received[c] - finished[c][0]) * 1000.0 for c in measured]
+    total_bytes = sum(finished[c][1] for c in measured)
+    starts = [finished[c][0] for c in measured]
+    span = (max(received[c] for c in measured) - min(starts)) if measured else 0.0
     return {
         "requests": requests,
         "verified": verified,
