@@ -118,6 +118,7 @@ class PushSide:
         self._posted_transfers: deque[tuple[str, TransferHandle]] = deque()
         self.wake = threading.Event()
         self.failed_transfers = 0
+        self._rehandshaked: set[str] = set()  # WRITEs retried once after a re-handshake
         self._register_main_handlers()
 
     # -- engine step (main thread) -------------------------------------------------------
@@ -213,7 +214,9 @@ class PushSide:
             writer.on_handshake_result(engine_id, ok)
             handled += 1
         while self.evict_finished_inbox:
-            writer.on_evict(self.evict_finished_inbox.popleft())
+            evicted = self.evict_finished_inbox.popleft()
+            self._rehandshaked.discard(evicted)
+            writer.on_evict(evicted)
             handled += 1
         while self.reg_send_inbox:
             op = self.reg_send_inbox.popleft()
@@ -300,6 +303,8 @@ class PushSide:
             if peer is None:
                 raise KvHandoffError(f"no connected agent for {reg.decode_engine_id}")
             if effect.sender_agent and effect.sender_agent != peer.agent_name:
+                if self._rehandshake_once(effect):
+                    return
                 # B-08: D restarted since it registered; its blocks now belong to others.
                 raise KvHandoffError(
                     f"registration {reg.request_id} came from agent {effect.sender_agent!r}, "
@@ -322,8 +327,25 @@ class PushSide:
         except KvHandoffError as exc:
             self._write_submit_failed(effect, exc)
             return
+        self._rehandshaked.discard(effect.request_id)
         self._posted_transfers.append((effect.request_id, handle))
         self.pending_completion_notifs.append(ReportToMain(effect.request_id, "write_posted"))
+
+    def _rehandshake_once(self, effect: IssueWrite) -> bool:
+        """B-08: the PUSH_REG came from another agent than the one we are connected to.
+        Either our connection is stale (D restarted, then registered) or the registration
+        is (D registered, then restarted). Forget the agent, re-handshake and try once
+        more: a registration that still disagrees with the fresh agent is stale."""
+        if effect.request_id in self._rehandshaked:
+            self._rehandshaked.discard(effect.request_id)
+            return False
+        self._rehandshaked.add(effect.request_id)
+        self._peer_lost(effect.registration.decode_engine_id)
+        reg, sender = effect.registration, effect.sender_agent
+        self.deferred_push_inbox.append(
+            ReplayPush(effect.request_id, effect.block_ids, reg, sender)
+        )
+        return True
 
     def _issue_read(self, effect: IssueRead) -> None:
         """Pull mode (B-09): READ P's blocks into D's; the notif tells P to free its lease."""

@@ -53,6 +53,13 @@ class PollTransfer:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseTransfer:
+    """P main thread: a WRITE timed out; release its handle (NIXL cancels it in flight)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class SendHeartbeat:
     """D main thread: send `HB:<ids>` to the prefill engine (R-P08, R-P15)."""
 
@@ -133,6 +140,7 @@ class IssueWrite:
     request_id: str
     block_ids: tuple[int, ...]
     registration: PushRegistration
+    sender_agent: str = ""  # the agent the PUSH_REG came from; WRITE only into that one
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +158,7 @@ class ReplayPush:
     request_id: str
     block_ids: tuple[int, ...]
     registration: PushRegistration
+    sender_agent: str = ""
 
 
 @dataclass(frozen=True, slots=True)

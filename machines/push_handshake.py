@@ -118,11 +118,15 @@ HANDSHAKE = Declaration(
         {"trigger": "failed", "source": "in_progress", "dest": "failed", "after": "fail_deferred"},
         {"trigger": "peer_lost", "source": "connected", "dest": "idle", "after": "forget_agent"},
     ],
-    # Late results of a handshake that already timed out, and losses of unknown peers.
+    # Late results of a handshake that already timed out or was superseded (a newer one
+    # connected, or the peer was lost since), and losses of unknown peers.
     ignore=[
         ("failed", "succeeded"),
         ("failed", "failed"),
         ("connected", "succeeded"),
+        ("connected", "failed"),
+        ("idle", "succeeded"),
+        ("idle", "failed"),
         ("idle", "peer_lost"),
         ("failed", "peer_lost"),
         ("in_progress", "peer_lost"),

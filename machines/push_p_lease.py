@@ -28,6 +28,7 @@ from kvhandoff.machines.push_effects import (
     FinishedSending,
     PollTransfer,
     QueueEviction,
+    ReleaseTransfer,
     Warn,
 )
 
@@ -42,7 +43,7 @@ class PLeaseCtx:
 
 LEASE = Timeout("kv_lease_duration", "expired", "lease_expired", action="reap")
 WRITE_TIMEOUT = Timeout(
-    "push_write_timeout", "write_failed", "write_timeout", action="count_failed"
+    "push_write_timeout", "write_failed", "write_timeout", action="abandon_write"
 )
 
 
@@ -68,6 +69,12 @@ def log_handshake_failed(inst: Any, payload: Any) -> list[object]:
 
 def count_failed(inst: Any, payload: Any) -> list[object]:
     return [Metric("push.p.failed_transfers")]
+
+
+def abandon_write(inst: Any, payload: Any) -> list[object]:
+    # The handle must not outlive the wait: released, the WRITE cannot land after the
+    # lease frees the blocks it reads.
+    return [ReleaseTransfer(inst.key), Metric("push.p.failed_transfers")]
 
 
 def done_sending(inst: Any, payload: Any) -> list[object]:
@@ -139,6 +146,7 @@ P_LEASE = Declaration(
         "poll": poll,
         "log_handshake_failed": log_handshake_failed,
         "count_failed": count_failed,
+        "abandon_write": abandon_write,
         "done_sending": done_sending,
         "reap": reap,
     },

@@ -163,7 +163,11 @@ class PushScheduler:
 
     def build_connector_meta(self) -> PushConnectorMeta:
         """Drain what this step hands to the workers; expired watchdogs fire first (R-P10)."""
-        self.bus.fire_due()
+        # Only D's watchdogs fire here. P's leases are reaped in get_finished (R-P11), after
+        # the writer's reports are drained: a lease whose WRITE the writer just posted must
+        # see write_posted before its expiry, or its blocks are freed under the DMA.
+        if self.role == "decode":
+            self.bus.fire_due()
         meta = PushConnectorMeta()
         for request_id in self._push_pending_registrations:
             inst = self.bus.get(self.d_kind, request_id)

@@ -82,6 +82,7 @@ class PushWriter:
         self._finished_by_base: dict[str, str] = {}
         self._pending_by_base: dict[str, str] = {}
         self._pending_since: dict[str, float] = {}  # arrival order
+        self._pending_senders: dict[str, str] = {}  # D request id -> agent that sent it
         self.pending_registration_ttl = pending_registration_ttl
         self._evicted: OrderedDict[str, None] = OrderedDict()  # base ids
         self.self_polling = False
@@ -118,12 +119,12 @@ class PushWriter:
         """P: finished blocks from the finished-blocks inbox."""
         if get_base_request_id(request_id) in self._evicted:
             return
-        registration = self._pop_registration(request_id)
+        registration, sender = self._pop_registration(request_id)
         if registration is None:
             self.push_finished_blocks[request_id] = block_ids
             self._finished_by_base[get_base_request_id(request_id)] = request_id
         else:
-            self._matched(request_id, block_ids, registration)
+            self._matched(request_id, block_ids, registration, sender)
         self._update_self_poll()
 
     def on_deferred_push(self, op: ReplayPush) -> None:
@@ -142,6 +143,7 @@ class PushWriter:
             if key is not None:
                 self.pending_d_registrations.pop(key, None)
                 self._pending_since.pop(key, None)
+                self._pending_senders.pop(key, None)
         self._update_self_poll()
 
     def on_handshake_result(self, engine_id: str, ok: bool) -> None:
@@ -159,7 +161,7 @@ class PushWriter:
             if isinstance(notif, PushRegNotif):
                 if self.role != "prefill":
                     raise RemoteProtocolError("PUSH_REG sent to a decode instance", peer=peer)
-                self._on_push_reg(notif.registration)
+                self._on_push_reg(notif.registration, peer)
             else:
                 self._effects.append(ForwardToMain(notif, peer))
         except RemoteProtocolError as exc:
@@ -178,7 +180,7 @@ class PushWriter:
 
     # -- matching (R-P04) --------------------------------------------------------------
 
-    def _on_push_reg(self, registration: PushRegistration) -> None:
+    def _on_push_reg(self, registration: PushRegistration, sender: str = "") -> None:
         d_request_id = registration.request_id
         p_request_id = self._pop_finished(d_request_id)
         if p_request_id is None:
@@ -187,9 +189,10 @@ class PushWriter:
             self.pending_d_registrations[d_request_id] = registration
             self._pending_since[d_request_id] = self.bus.clock()
             self._pending_by_base[get_base_request_id(d_request_id)] = d_request_id
+            self._pending_senders[d_request_id] = sender
             return
         blocks = self.push_finished_blocks.pop(p_request_id)
-        self._matched(p_request_id, blocks, registration)
+        self._matched(p_request_id, blocks, registration, sender)
         self._update_self_poll()
 
     def _pop_finished(self, d_request_id: str) -> str | None:
@@ -198,21 +201,27 @@ class PushWriter:
             return d_request_id
         return self._finished_by_base.pop(get_base_request_id(d_request_id), None)
 
-    def _pop_registration(self, p_request_id: str) -> PushRegistration | None:
+    def _pop_registration(self, p_request_id: str) -> tuple[PushRegistration | None, str]:
+        """The pending registration matching `p_request_id`, and the agent that sent it."""
         base = get_base_request_id(p_request_id)
         d_request_id = p_request_id if p_request_id in self.pending_d_registrations else None
         d_request_id = d_request_id or self._pending_by_base.get(base)
         if d_request_id is None:
-            return None
+            return None, ""
         self._pending_by_base.pop(get_base_request_id(d_request_id), None)
         self._pending_since.pop(d_request_id, None)
-        return self.pending_d_registrations.pop(d_request_id, None)
+        sender = self._pending_senders.pop(d_request_id, "")
+        return self.pending_d_registrations.pop(d_request_id, None), sender
 
     def _matched(
-        self, p_request_id: str, blocks: tuple[int, ...], registration: PushRegistration
+        self,
+        p_request_id: str,
+        blocks: tuple[int, ...],
+        registration: PushRegistration,
+        sender: str = "",
     ) -> None:
         self._effects.append(ReportToMain(p_request_id, "matched"))
-        self._push(ReplayPush(p_request_id, blocks, registration))
+        self._push(ReplayPush(p_request_id, blocks, registration, sender))
 
     def _push(self, op: ReplayPush) -> None:
         reg = op.registration
@@ -250,6 +259,7 @@ class PushWriter:
             if since > deadline:
                 break
             del self._pending_since[d_request_id]
+            self._pending_senders.pop(d_request_id, None)
             if self.pending_d_registrations.pop(d_request_id, None) is not None:
                 self._pending_by_base.pop(get_base_request_id(d_request_id), None)
                 dropped += 1
@@ -262,4 +272,4 @@ def _proceed(op: DeferredOp) -> object:
         return SendPushReg(op.request_id, op.registration)
     if isinstance(op, ReplayRead):
         return IssueRead(op.request_id, op.source, op.block_ids)
-    return IssueWrite(op.request_id, op.block_ids, op.registration)
+    return IssueWrite(op.request_id, op.block_ids, op.registration, op.sender_agent)

@@ -251,6 +251,10 @@ def main_from_args(args: Any) -> int:
         faults=tuple(f for f in args.faults.split(",") if f) or ("none",),
         variant=args.variant,
     )
+    problem = _check_options(options)
+    if problem:
+        print(f"kvhandoff simulate: {problem}", file=sys.stderr)
+        return 2
     jobs = args.jobs if args.jobs > 0 else (os.cpu_count() or 1)
     total = args.seeds * len(names)
     done = 0
@@ -288,6 +292,22 @@ def main_from_args(args: Any) -> int:
         print(throughput)
         print("simulate ok" if report.ok else "simulate FAILED")
     return 0 if report.ok else 1
+
+
+def _check_options(options: SimulateOptions) -> str | None:
+    from kvhandoff.adapters.sim_fabric import SimFaults
+    from kvhandoff.adapters.sim_variants import VARIANTS
+    from kvhandoff.protocol.errors import LocalProtocolError
+
+    try:
+        SimFaults.select(options.faults)
+    except LocalProtocolError as exc:
+        return str(exc)
+    if options.variant is not None and options.variant not in VARIANTS:
+        return f"unknown variant {options.variant!r}; known: {', '.join(sorted(VARIANTS))}"
+    if options.requests < 1:
+        return "--requests must be at least 1"
+    return None
 
 
 def _print_failures(report: SimulateReport, options: SimulateOptions, *, out: Any) -> None:

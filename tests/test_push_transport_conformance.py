@@ -1,0 +1,321 @@
+"""One transport interface, two implementations: the same suite runs against both.
+
+`PushTransport` is implemented by the real NIXL agent plus ZMQ side channel
+(`NixlPushTransport`) and by the in-memory fabric of the simulator (`SimPushTransport`).
+Every test here runs against each, through a small harness that knows how to let the
+transport make progress (the simulator delivers what is in flight; the real one polls
+against a deadline) and how to read and write block memory.
+
+Both engines route by member: A lists its regions `k, v`, B lists them `v, k`, so a block
+written from A's `k` region must land in B's `k` region, wherever B keeps it (R-P14).
+
+The real pair is two NIXL agents in this one process over loopback, created once per
+module (agent creation takes about two seconds each), with real ZMQ side channels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvhandoff.adapters.push_transport import PushTransport
+from kvhandoff.adapters.sim_fabric import SimNetwork
+from kvhandoff.adapters.sim_transport import SimPushTransport
+from kvhandoff.machines.clock import VirtualClock
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.protocol.handshake import (
+    HandshakePayload,
+    compatibility_hash,
+    decode_handshake,
+    encode_handshake,
+)
+from kvhandoff.protocol.member_routing import LocalRegion
+
+BLOCK_LEN = 4096
+BLOCKS = 8
+MEMBERS_A = ("layers.0.k", "layers.0.v")
+MEMBERS_B = ("layers.0.v", "layers.0.k")
+HASH = compatibility_hash("kvhandoff-conformance", "model", "uint8", BLOCK_LEN)
+DEADLINE_S = 20.0
+T = TypeVar("T")
+
+
+class Side(Protocol):
+    transport: PushTransport
+    host: str
+    port: int
+
+    def fill(self, block: int, seed: int) -> None: ...
+
+    def member_block(self, member: str, block: int) -> bytes: ...
+
+
+def pattern(member: str, block: int, seed: int) -> bytes:
+    digest = hashlib.blake2b(f"{member}/{block}/{seed}".encode(), digest_size=64).digest()
+    return digest * (BLOCK_LEN // len(digest))
+
+
+# -- the simulated pair --------------------------------------------------------------------
+
+
+class SimSide:
+    def __init__(self, network: SimNetwork, engine_id: str, members: tuple[str, ...]) -> None:
+        self.transport = SimPushTransport(
+            network,
+            engine_id,
+            [(m,) for m in members],
+            num_blocks=BLOCKS,
+            block_len=BLOCK_LEN,
+            compatibility_hash=HASH,
+        )
+        self.members = members
+        self.host, self.port = f"sim-{engine_id}", 5600
+        self.transport.serve(self.host, self.port)
+
+    def fill(self, block: int, seed: int) -> None:
+        for i, member in enumerate(self.members):
+            self.transport.write_block(i, block, pattern(member, block, seed))
+
+    def member_block(self, member: str, block: int) -> bytes:
+        return bytes(self.transport.block(self.members.index(member), block))
+
+
+class SimHarness:
+    kind = "sim"
+
+    def __init__(self) -> None:
+        self.network = SimNetwork(0, VirtualClock())
+        self.a = SimSide(self.network, "engine-a", MEMBERS_A)
+        self.b = SimSide(self.network, "engine-b", MEMBERS_B)
+
+    def pump(self) -> None:
+        """Everything in flight arrives (and whatever that posts, in turn)."""
+        while self.network.in_flight:
+            self.network.deliver(0)
+
+    def close(self) -> None:
+        pass
+
+
+# -- the real pair -------------------------------------------------------------------------
+
+
+class NixlSide:
+    def __init__(self, engine_id: str, members: tuple[str, ...]) -> None:
+        from kvhandoff.adapters.nixl_agent import NixlAgent
+        from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+
+        self.members = members
+        self.memory: list[npt.NDArray[np.uint8]] = [
+            np.zeros(BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in members
+        ]
+        regions = [
+            LocalRegion(int(array.ctypes.data), (member,), BLOCK_LEN, BLOCKS)
+            for array, member in zip(self.memory, members, strict=True)
+        ]
+        self.agent = NixlAgent(f"{engine_id}-{secrets.token_hex(4)}")
+        self.transport = NixlPushTransport(engine_id, self.agent, regions, compatibility_hash=HASH)
+        self.server = self.transport.serve("127.0.0.1", 0)
+        self.host, self.port = "127.0.0.1", self.server.port
+
+    def fill(self, block: int, seed: int) -> None:
+        for array, member in zip(self.memory, self.members, strict=True):
+            start = block * BLOCK_LEN
+            array[start : start + BLOCK_LEN] = np.frombuffer(
+                pattern(member, block, seed), dtype=np.uint8
+            )
+
+    def member_block(self, member: str, block: int) -> bytes:
+        start = block * BLOCK_LEN
+        return self.memory[self.members.index(member)][start : start + BLOCK_LEN].tobytes()
+
+    def close(self) -> None:
+        self.server.close()
+        self.agent.close()
+
+
+class NixlHarness:
+    kind = "nixl"
+
+    def __init__(self) -> None:
+        self.a = NixlSide("engine-a", MEMBERS_A)
+        self.b = NixlSide("engine-b", MEMBERS_B)
+
+    def pump(self) -> None:
+        time.sleep(0.001)  # UCX progresses on its own thread; the caller's deadline bounds
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+Harness = SimHarness | NixlHarness
+
+
+def _nixl_available() -> bool:
+    try:
+        from kvhandoff.adapters.nixl_loader import load_nixl
+
+        load_nixl()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["sim", "nixl"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    if request.param == "nixl" and not _nixl_available():
+        pytest.skip("no importable nixl build")
+    made: Harness = SimHarness() if request.param == "sim" else NixlHarness()
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def pair(harness: Harness) -> Harness:
+    """Both sides connected to each other, nothing left in their notif queues."""
+    for here, there in ((harness.a, harness.b), (harness.b, harness.a)):
+        raw = here.transport.fetch_handshake(there.host, there.port, DEADLINE_S)
+        here.transport.connect(decode_handshake(raw))
+    harness.pump()
+    for side in (harness.a, harness.b):
+        side.transport.get_new_notifs()
+    return harness
+
+
+def wait_for(harness: Harness, probe: Callable[[], T | None], what: str) -> T:
+    """Pump until `probe` returns something, within the deadline (never a fixed sleep)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{harness.kind}: no {what} within {DEADLINE_S} s")
+        harness.pump()
+
+
+def notifs_until(harness: Harness, side: Side, count: int) -> list[tuple[str, bytes]]:
+    got: list[tuple[str, bytes]] = []
+
+    def probe() -> list[tuple[str, bytes]] | None:
+        got.extend(side.transport.get_new_notifs())
+        return got if len(got) >= count else None
+
+    return wait_for(harness, probe, f"{count} notifs")
+
+
+def done(harness: Harness, side: Side, handle: Any) -> str:
+    def probe() -> str | None:
+        state = side.transport.poll(handle)
+        return None if state == "PROC" else state
+
+    return wait_for(harness, probe, "transfer completion")
+
+
+# -- the suite -------------------------------------------------------------------------------
+
+
+def test_R_P15_handshake_payload_round_trips_and_connects(pair: Harness) -> None:
+    a, b = pair.a, pair.b
+    payload = a.transport.handshake_payload()
+    assert decode_handshake(encode_handshake(payload)) == payload
+    served = decode_handshake(b.transport.fetch_handshake(a.host, a.port, DEADLINE_S))
+    assert (served.engine_id, served.agent_name) == (payload.engine_id, payload.agent_name)
+    assert served.region_members == tuple((m,) for m in MEMBERS_A)
+    info = b.transport.connect(served)
+    assert info.engine_id == a.transport.engine_id
+    assert info.agent_name == payload.agent_name
+    assert (info.tp_size, info.physical_blocks_per_logical, info.capacity) == (1, 1, BLOCKS)
+    assert b.transport.peer(a.transport.engine_id) == info
+
+
+def test_R_P15_an_incompatible_peer_is_refused(pair: Harness) -> None:
+    payload = pair.a.transport.handshake_payload()
+    other = msgspec.structs.replace(payload, compatibility_hash="0" * 64)
+    with pytest.raises(RemoteProtocolError, match="compatibility_hash"):
+        pair.b.transport.connect(other)
+
+
+def test_R_P14_a_peer_missing_a_member_is_refused(pair: Harness) -> None:
+    payload: HandshakePayload = pair.a.transport.handshake_payload()
+    renamed = tuple((f"{m[0]}.other",) for m in payload.region_members)
+    with pytest.raises(RemoteProtocolError, match="not advertised"):
+        pair.b.transport.connect(msgspec.structs.replace(payload, region_members=renamed))
+
+
+def test_R_P08_send_notif_reaches_the_peer_tagged_with_the_sender(pair: Harness) -> None:
+    a, b = pair.a, pair.b
+    a.transport.send_notif(b.transport.engine_id, b"HB:cmpl-1-0-aaaaaaaa")
+    b.transport.send_notif(a.transport.engine_id, b"PUSH_REG:x")
+    got_b = notifs_until(pair, b, 1)
+    got_a = notifs_until(pair, a, 1)
+    assert got_b == [(a.transport.handshake_payload().agent_name, b"HB:cmpl-1-0-aaaaaaaa")]
+    assert got_a == [(b.transport.handshake_payload().agent_name, b"PUSH_REG:x")]
+    assert b.transport.get_new_notifs() == []  # drained
+
+
+def test_R_P06_write_blocks_lands_bytes_by_member_then_the_completion_notif(
+    pair: Harness,
+) -> None:
+    a, b = pair.a, pair.b
+    for block in (1, 2):
+        a.fill(block, seed=7)
+    handle = a.transport.write_blocks(b.transport.engine_id, [1, 2], [5, 6], b"req-7-0:1")
+    assert done(pair, a, handle) == "DONE"
+    got = notifs_until(pair, b, 1)
+    assert got == [(a.transport.handshake_payload().agent_name, b"req-7-0:1")]
+    for member in MEMBERS_A:
+        assert b.member_block(member, 5) == a.member_block(member, 1)
+        assert b.member_block(member, 6) == a.member_block(member, 2)
+    a.transport.release(handle)
+    a.transport.release(handle)  # idempotent
+
+
+def test_B09_read_blocks_fetches_bytes_and_notifies_the_peer(pair: Harness) -> None:
+    a, b = pair.a, pair.b
+    b.fill(3, seed=11)
+    handle = a.transport.read_blocks(b.transport.engine_id, [4], [3], b"req-8-0:1")
+    assert done(pair, a, handle) == "DONE"
+    for member in MEMBERS_A:
+        assert a.member_block(member, 4) == b.member_block(member, 3)
+    assert notifs_until(pair, b, 1) == [(a.transport.handshake_payload().agent_name, b"req-8-0:1")]
+    a.transport.release(handle)
+
+
+def test_B08_forget_then_reconnect_restores_the_peer(pair: Harness) -> None:
+    a, b = pair.a, pair.b
+    engine_b = b.transport.engine_id
+    a.transport.forget(engine_b)
+    assert a.transport.peer(engine_b) is None
+    with pytest.raises(LocalProtocolError, match="not connected"):
+        a.transport.send_notif(engine_b, b"HB:x")
+    a.transport.forget(engine_b)  # forgetting twice is fine
+    a.transport.connect(decode_handshake(a.transport.fetch_handshake(b.host, b.port, DEADLINE_S)))
+    a.transport.send_notif(engine_b, b"HB:again")
+    assert notifs_until(pair, b, 1)[0][1] == b"HB:again"
+
+
+def test_R_P15_an_unconnected_peer_is_a_local_error(pair: Harness) -> None:
+    transport = pair.a.transport
+    assert transport.peer("nobody") is None
+    with pytest.raises(LocalProtocolError):
+        transport.send_notif("nobody", b"HB:x")
+    with pytest.raises(LocalProtocolError):
+        transport.write_blocks("nobody", [0], [0], b"x:1")
+
+
+def test_R_P06_block_ids_out_of_range_are_local_errors(pair: Harness) -> None:
+    a, engine_b = pair.a, pair.b.transport.engine_id
+    with pytest.raises(LocalProtocolError):
+        a.transport.write_blocks(engine_b, [0], [BLOCKS], b"x:1")
+    with pytest.raises(LocalProtocolError):
+        a.transport.write_blocks(engine_b, [BLOCKS], [0], b"x:1")
