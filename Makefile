@@ -32,7 +32,7 @@ specs-check: install
 	$(BIN)/kvhandoff diagrams --check
 
 unit: install
-	$(BIN)/pytest
+	$(BIN)/pytest -q -rs
 
 test: lint typecheck specs-check unit
 
