@@ -175,7 +175,8 @@ class PushSide:
         self.bus.dispatch(self.worker.polled_kind, effect.request_id, f"{op}_{outcome}")
 
     def _release_transfer(self, _inst: Any, effect: ReleaseTransfer) -> None:
-        """A WRITE timed out: free its handle (cancelling it) so it cannot land later."""
+        """A WRITE (or a pull READ) timed out: free its handle (cancelling it) so it cannot
+        land later."""
         self._adopt_posted_transfers()
         handle = self._sending_transfers.pop(effect.request_id, None)
         if handle is not None:

@@ -28,6 +28,7 @@ from kvhandoff.machines.push_effects import (
     FinishedRecving,
     PollTransfer,
     QueueEviction,
+    ReleaseTransfer,
     Warn,
 )
 from kvhandoff.protocol.legs import PullSource
@@ -42,7 +43,7 @@ class DReadCtx:
 
 
 WATCHDOG = Timeout("push_registration_timeout", "expired", "watchdog_expired", action="give_up")
-READ_TIMEOUT = Timeout("push_write_timeout", "failed", "read_timeout", action="fail_recv")
+READ_TIMEOUT = Timeout("push_write_timeout", "failed", "read_timeout", action="abandon_read")
 
 
 def enqueue(inst: Any, payload: Any) -> list[object]:
@@ -65,6 +66,12 @@ def fail_recv(inst: Any, payload: Any) -> list[object]:
         QueueEviction(inst.key),
         Metric("pull.d.failed_recv"),
     ]
+
+
+def abandon_read(inst: Any, payload: Any) -> list[object]:
+    """A READ that outlived its timeout is released (cancelled) before the blocks it
+    writes into are reported invalid and reused."""
+    return [ReleaseTransfer(inst.key), *fail_recv(inst, "pull read timed out")]
 
 
 def give_up(inst: Any, payload: Any) -> list[object]:
@@ -121,6 +128,7 @@ D_READ = Declaration(
         "poll": poll,
         "finish_recv": finish_recv,
         "fail_recv": fail_recv,
+        "abandon_read": abandon_read,
         "give_up": give_up,
     },
     config_defaults={"push_registration_timeout": 480.0, "push_write_timeout": 30.0},

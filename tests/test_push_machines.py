@@ -78,3 +78,25 @@ def test_B09_pull_machines_model() -> None:
         context=st.fixed_dictionaries({"block_ids": st.just((1, 2))}),
         max_examples=100,
     )
+
+
+def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:
+    from kvhandoff.machines.bus import EventBus
+    from kvhandoff.machines.clock import VirtualClock
+    from kvhandoff.machines.pull_d_read import D_READ
+    from kvhandoff.machines.push_effects import FailedRecving, ReleaseTransfer
+    from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
+
+    clock = VirtualClock()
+    bus = EventBus(clock)
+    bus.register(D_READ, {"push_write_timeout": 5.0})
+    source = PullSource(PrefillCoordinates("P", "127.0.0.1", 5500, 1), "p-1", (1, 2))
+    bus.create(D_READ.name, "d-1", source=source, block_ids=(3, 4))
+    for event in ("drained", "enqueued", "read_posted"):
+        bus.dispatch(D_READ.name, "d-1", event)
+    bus.drain_outbox()
+    clock.advance(5.0)
+    assert bus.fire_due() == 1
+    effects = [effect for _, effect in bus.drain_outbox()]
+    assert effects[0] == ReleaseTransfer("d-1")
+    assert any(isinstance(e, FailedRecving) and e.block_ids == (3, 4) for e in effects)
