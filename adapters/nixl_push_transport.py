@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvhandoff.adapters.nixl_agent import NixlAgent, PreppedBlocks, XferHandle
 from kvhandoff.adapters.push_transport import PeerInfo, TransferHandle, XferState
@@ -20,7 +21,7 @@ from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     HandshakePayload,
-    check_compatible,
+    accept_peer,
     encode_handshake,
 )
 from kvhandoff.protocol.member_routing import (
@@ -28,7 +29,6 @@ from kvhandoff.protocol.member_routing import (
     MemberLayout,
     RemoteRoute,
     derive_member_major_layout,
-    route_remote_regions,
 )
 
 
@@ -111,16 +111,7 @@ class NixlPushTransport:
         return fetch_handshake(host, port, timeout_s)
 
     def connect(self, payload: HandshakePayload) -> PeerInfo:
-        check_compatible(self.handshake_payload(), payload, peer=payload.engine_id)
-        route = route_remote_regions(
-            self.layout,
-            payload.region_members,
-            payload.kv_block_lens,
-            payload.num_blocks,
-            local_engine_id=self.engine_id,
-            remote_engine_id=payload.engine_id,
-            peer=payload.engine_id,
-        )
+        route = accept_peer(self.handshake_payload(), self.layout, payload)
         self.forget(payload.engine_id)
         agent_name = self.agent.add_remote(payload.agent_metadata)
         prepped = self.agent.prep_remote_blocks(
@@ -161,6 +152,17 @@ class NixlPushTransport:
             raise LocalProtocolError(f"engine {engine_id!r} is not connected")
         return peer
 
+    def _indices(
+        self, engine_id: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
+    ) -> tuple[_Peer, Any, Any]:
+        """Descriptor indices of the same blocks in every routed region, on both sides."""
+        peer = self._peer(engine_id)
+        local_idx = self._local.layout.indices_for_blocks(local_block_ids)
+        remote_idx = peer.prepped.layout.indices_for_blocks(
+            remote_block_ids, regions=peer.route.regions
+        )
+        return peer, local_idx, remote_idx
+
     def send_notif(self, engine_id: str, message: bytes) -> None:
         self.agent.send_notif(self._peer(engine_id).info.agent_name, message)
 
@@ -174,11 +176,7 @@ class NixlPushTransport:
         remote_block_ids: Sequence[int],
         notif: bytes,
     ) -> TransferHandle:
-        peer = self._peer(engine_id)
-        local_idx = self._local.layout.indices_for_blocks(local_block_ids)
-        remote_idx = peer.prepped.layout.indices_for_blocks(
-            remote_block_ids, regions=peer.route.regions
-        )
+        peer, local_idx, remote_idx = self._indices(engine_id, local_block_ids, remote_block_ids)
         return self.agent.write(self._local, local_idx, peer.prepped, remote_idx, notif)
 
     def read_blocks(
@@ -188,11 +186,7 @@ class NixlPushTransport:
         remote_block_ids: Sequence[int],
         notif: bytes,
     ) -> TransferHandle:
-        peer = self._peer(engine_id)
-        local_idx = self._local.layout.indices_for_blocks(local_block_ids)
-        remote_idx = peer.prepped.layout.indices_for_blocks(
-            remote_block_ids, regions=peer.route.regions
-        )
+        peer, local_idx, remote_idx = self._indices(engine_id, local_block_ids, remote_block_ids)
         return self.agent.read(self._local, local_idx, peer.prepped, remote_idx, notif)
 
     def poll(self, handle: TransferHandle) -> XferState:

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvhandoff.adapters.push_transport import PushTransport, TransferHandle, peer_gone
+from kvhandoff.adapters.push_transport import PeerInfo, PushTransport, TransferHandle, peer_gone
 from kvhandoff.machines.bus import EventBus
 from kvhandoff.machines.clock import Clock, real_clock
 from kvhandoff.machines.push_effects import (
@@ -311,14 +311,9 @@ class PushSide:
                     f"registration {reg.request_id} came from agent {effect.sender_agent!r}, "
                     f"{reg.decode_engine_id} now runs {peer.agent_name!r}: not written"
                 )
-            remote = expand_to_physical(reg.block_ids, peer.physical_blocks_per_logical)
-            check_within_capacity(reg.request_id, remote, peer.capacity, engine_id=peer.engine_id)
-            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
-            if len(local) != len(remote):
-                raise KvHandoffError(
-                    f"P holds {len(local)} physical blocks for {effect.request_id}, "
-                    f"D registered {len(remote)}"
-                )
+            local, remote = self._physical_pair(
+                peer, effect.request_id, effect.block_ids, reg.request_id, reg.block_ids
+            )
             notif = encode_completion_notif(reg.request_id, self.engine.tp_size)
         except KvHandoffError as exc:
             self._write_submit_failed(effect, exc)
@@ -348,6 +343,26 @@ class PushSide:
         )
         return True
 
+    def _physical_pair(
+        self,
+        peer: PeerInfo,
+        local_request_id: str,
+        local_blocks: tuple[int, ...],
+        remote_request_id: str,
+        remote_blocks: tuple[int, ...],
+    ) -> tuple[list[int], list[int]]:
+        """R-P06: both sides' logical ids expanded to physical ones, the peer's checked
+        against the capacity it registered; the two lists must pair up one to one."""
+        remote = expand_to_physical(remote_blocks, peer.physical_blocks_per_logical)
+        check_within_capacity(remote_request_id, remote, peer.capacity, engine_id=peer.engine_id)
+        local = expand_to_physical(local_blocks, self.physical_blocks_per_logical)
+        if len(local) != len(remote):
+            raise KvHandoffError(
+                f"{local_request_id} holds {len(local)} physical blocks here, "
+                f"{remote_request_id} names {len(remote)} on {peer.engine_id}"
+            )
+        return local, remote
+
     def _issue_read(self, effect: IssueRead) -> None:
         """Pull mode (B-09): READ P's blocks into D's; the notif tells P to free its lease."""
         source = effect.source
@@ -355,16 +370,9 @@ class PushSide:
         try:
             if peer is None:
                 raise KvHandoffError(f"no connected agent for {source.prefill.engine_id}")
-            remote = expand_to_physical(source.block_ids, peer.physical_blocks_per_logical)
-            check_within_capacity(
-                source.request_id, remote, peer.capacity, engine_id=peer.engine_id
+            local, remote = self._physical_pair(
+                peer, effect.request_id, effect.block_ids, source.request_id, source.block_ids
             )
-            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
-            if len(local) != len(remote):
-                raise KvHandoffError(
-                    f"D holds {len(local)} physical blocks for {effect.request_id}, "
-                    f"P finished {len(remote)}"
-                )
             notif = encode_completion_notif(source.request_id, self.engine.tp_size)
             handle = self.transport.read_blocks(source.prefill.engine_id, local, remote, notif)
         except KvHandoffError as exc:

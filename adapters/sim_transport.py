@@ -9,8 +9,8 @@ and a ZMQ side channel it has:
 - block memory: regions x blocks of bytes (`bytearray`s), one region per allocation,
   each backing one or more members (layer names, R-P14), with fake addresses;
 - the handshake payload of the real protocol (`protocol/handshake.py`), fetched through
-  the network's side-channel table and checked with `check_compatible`; regions are
-  routed by member exactly as the real transport routes them (`route_remote_regions`);
+  the network's side-channel table and accepted with `accept_peer` (compatibility, then
+  member routing), exactly as the real transport accepts them;
 - notifs and transfers posted to the network, which delivers them when told to.
 """
 
@@ -27,14 +27,13 @@ from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     HandshakePayload,
-    check_compatible,
+    accept_peer,
 )
 from kvhandoff.protocol.member_routing import (
     LocalRegion,
     MemberLayout,
     RemoteRoute,
     derive_member_major_layout,
-    route_remote_regions,
 )
 
 __all__ = ["SIM_BACKEND", "SimPushTransport"]
@@ -117,16 +116,7 @@ class SimPushTransport:
 
     def connect(self, payload: HandshakePayload) -> PeerInfo:
         self._check_alive("connect")
-        check_compatible(self.handshake_payload(), payload, peer=payload.engine_id)
-        route = route_remote_regions(
-            self.layout,
-            payload.region_members,
-            payload.kv_block_lens,
-            payload.num_blocks,
-            local_engine_id=self.engine_id,
-            remote_engine_id=payload.engine_id,
-            peer=payload.engine_id,
-        )
+        route = accept_peer(self.handshake_payload(), self.layout, payload)
         self.forget(payload.engine_id)
         info = PeerInfo(
             engine_id=payload.engine_id,

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.protocol.member_routing import MemberLayout, RemoteRoute, route_remote_regions
 from kvhandoff.protocol.push_wire import (
     MSGPACK_DECODE_ERRORS,
     NonEmptyStr,
@@ -203,3 +204,20 @@ def check_compatible(
                 f" {local.engine_id!r}: {field} differs (local {mine!r}, remote {theirs!r})",
                 peer=peer,
             )
+
+
+def accept_peer(
+    local: HandshakePayload, layout: MemberLayout, remote: HandshakePayload
+) -> RemoteRoute:
+    """The checks every transport runs on a fetched payload: compatibility first, then the
+    member routing of its regions onto the local layout (R-P14, R-P15)."""
+    check_compatible(local, remote, peer=remote.engine_id)
+    return route_remote_regions(
+        layout,
+        remote.region_members,
+        remote.kv_block_lens,
+        remote.num_blocks,
+        local_engine_id=local.engine_id,
+        remote_engine_id=remote.engine_id,
+        peer=remote.engine_id,
+    )
