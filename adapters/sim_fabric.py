@@ -72,7 +72,10 @@ class SimFaults:
     """Fault probabilities; 0 turns one off. Names are the `--faults` vocabulary.
 
     Network faults are rolled per message or per call; `crash`, `partition`,
-    `clock_jump` and `abort` are rates the simulator's scheduler reads per step.
+    `clock_jump`, `abort` and `eviction_pressure` are rates the simulator's scheduler
+    reads per step. Each protocol's world reads the faults that apply to it: handshake
+    and WRITE faults are push's (an encoder-cache consumer's `handshake_fail` is loading
+    a producer's agent metadata), READ, eviction and save faults the encoder cache's.
     """
 
     drop: float = 0.0  # a notif is lost on the wire
@@ -88,6 +91,10 @@ class SimFaults:
     partition: float = 0.0  # P and D cannot reach each other for a while
     clock_jump: float = 0.0  # the clock leaps forward, every actor stalled meanwhile
     abort: float = 0.0  # D's engine aborts a request (client gone)
+    read_fail: float = 0.0  # encoder cache: the consumer's NIXL READ ends in ERR
+    read_stall: float = 0.0  # encoder cache: the READ completes very late
+    eviction_pressure: float = 0.0  # encoder cache: a burst of saves fills the producer
+    slow_save: float = 0.0  # encoder cache: a GPU->mmap save lands late (NACK_NOT_READY)
 
     @classmethod
     def none(cls) -> SimFaults:
@@ -110,6 +117,10 @@ class SimFaults:
             partition=0.0008,
             clock_jump=0.01,
             abort=0.004,
+            read_fail=0.04,
+            read_stall=0.04,
+            eviction_pressure=0.01,
+            slow_save=0.2,
         )
 
     @classmethod

@@ -334,6 +334,11 @@ class ECScheduler:
         return failed
 
     # -- P2P adapter events ----------------------------------------------------------------
+    #
+    # Each fires the due timeouts first: a message or completion that waited (a stalled
+    # process, a slow link) meets machines in the state its deadlines already decided,
+    # never one they would have left by now (e.g. an OK ack arriving after the ack
+    # timeout, for a grant whose lease may be over, starts no READ).
 
     def _need_consumer(self) -> P2PConsumer:
         if self.consumer is None:
@@ -347,15 +352,21 @@ class ECScheduler:
 
     def on_xfer_ack(self, data: bytes, *, peer: str | None = None) -> None:
         """ZMQ: an `XferAck` arrived (raises `RemoteProtocolError` if bad, counted)."""
-        self._need_consumer().on_xfer_ack(data, peer=peer)
+        consumer = self._need_consumer()
+        self.poll()  # an ack arriving after its deadline finds the timeout already fired
+        consumer.on_xfer_ack(data, peer=peer)
 
     def on_read_done(self, mm_hash: str, transfer_id: str) -> None:
         """NIXL: the READ of `transfer_id` completed."""
-        self._need_consumer().on_read_done(mm_hash, transfer_id)
+        consumer = self._need_consumer()
+        self.poll()
+        consumer.on_read_done(mm_hash, transfer_id)
 
     def on_read_failed(self, mm_hash: str, transfer_id: str) -> None:
         """NIXL: the READ of `transfer_id` failed."""
-        self._need_consumer().on_read_failed(mm_hash, transfer_id)
+        consumer = self._need_consumer()
+        self.poll()
+        consumer.on_read_failed(mm_hash, transfer_id)
 
     def on_peer_disconnected(self, peer_host: str, peer_port: int) -> None:
         """ZMQ: the DEALER to producer `peer_host:peer_port` lost its peer."""
@@ -367,7 +378,9 @@ class ECScheduler:
 
     def on_producer_message(self, peer: bytes | str, data: bytes) -> None:
         """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""
-        self._need_producer().on_message(peer, data)
+        producer = self._need_producer()
+        self.poll()  # a lease that ran out while the message waited has ended first
+        producer.on_message(peer, data)
 
     def register_nixl_agent(self, agent_name: str, agent_metadata: bytes, base_addr: int) -> None:
         """NIXL: the producer's agent registered the region at `base_addr`."""

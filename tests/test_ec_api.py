@@ -1,7 +1,7 @@
 """Engine-facing API of the encoder-cache tier: scheduler and worker halves (issue 4).
 
 Local-tier tests drive `ECScheduler`/`ECWorker` directly; P2P tests run a producer and a
-consumer over the seeded in-memory planes of `helpers.ec_sim` on a virtual clock.
+consumer over the seeded in-memory planes of `adapters/sim_ec_plane.py` on a virtual clock.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvhandoff.adapters.sim_ec_plane import BLOCK_BYTES, COMPAT, layout, transfer_config
+from kvhandoff.adapters.sim_ec_plane import SimECPlane as Sim
 from kvhandoff.machines.clock import VirtualClock
 from kvhandoff.machines.ec_cache_entry import EncodingEvicted
 from kvhandoff.machines.ec_connector import ECCPUConnector
@@ -34,8 +36,6 @@ from kvhandoff.protocol.ec_wire import (
     encode_xfer_req,
 )
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
-
-from helpers.ec_sim import BLOCK_BYTES, COMPAT, Sim, layout, transfer_config
 
 META = {"image_grid_thw": [1, 4, 4]}
 

@@ -1,11 +1,11 @@
 """Model-based test of a producer/consumer pair over a simulated control plane (issue 4).
 
 Hypothesis drives a real producer (`ec_producer`) and consumer (`ec_consumer`), both with
-P2P, through `helpers.ec_sim`: encodings are produced and published, consumers ask for
-them (some with their media rewritten to metadata-only references), and the planes
-misbehave: random NACKs and garbage acks, lost messages, slow saves, slow, failing and
-hanging READs, evictions under pressure in small regions, disconnects and producer
-restarts, long jumps of the virtual clock past every timeout.
+P2P, through the in-memory planes (`adapters/sim_ec_plane.py`): encodings are produced
+and published, consumers ask for them (some with their media rewritten to metadata-only
+references), and the planes misbehave: random NACKs and garbage acks, lost messages,
+slow saves, slow, failing and hanging READs, evictions under pressure in small regions,
+disconnects and producer restarts, long jumps of the virtual clock past every timeout.
 
 After every step the invariants of the issue hold:
 
@@ -35,6 +35,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvhandoff.adapters.sim_ec_plane import Engine
+from kvhandoff.adapters.sim_ec_plane import SimECPlane as Sim
 from kvhandoff.machines.compiled import Instance
 from kvhandoff.machines.ec_cache_entry import ENTRY_KIND
 from kvhandoff.machines.ec_consumer_read import CONSUMER_READ_KIND
@@ -47,8 +49,6 @@ from kvhandoff.protocol.ec_config import (
     DEFAULT_PIN_LEASE_S,
 )
 from kvhandoff.protocol.ec_status import NACKS, RETRYABLE_NACKS
-
-from helpers.ec_sim import Engine, Sim
 
 MAX_NOT_READY = 20
 HASHES = [f"h{i}" for i in range(6)]
@@ -262,6 +262,7 @@ class ECPairModel(RuleBasedStateMachine):
     @invariant()
     def no_problem_reported(self) -> None:
         assert not self.problems, self.problems
+        assert self.sim is None or not self.sim.violations, self.sim.violations
 
     @invariant()
     def pools_and_entries_agree(self) -> None:

@@ -1,13 +1,15 @@
-"""`kvhandoff simulate [push|all] --seeds N`: seeded fault schedules over the in-memory fabric.
+"""`kvhandoff simulate [push|ec|all] --seeds N`: seeded fault schedules over in-memory planes.
 
-Every run is one seed: a `SimulatedPushWorld` (P and D over the fabric, one seeded
-scheduler owning every ordering decision) serves `--requests` client requests under the
-selected faults, then settles past every deadline with faults off, probes recovery, and
-checks its invariants. A seed replays exactly; a failing seed prints the command that
-replays it and a minimal event log of what happened to the requests involved.
+Every run is one seed: a simulated world (push: P and D over the in-memory fabric,
+`SimulatedPushWorld`; ec: a producer and a consumer over the in-memory encoder-cache
+planes, `SimulatedECWorld`), with one seeded scheduler owning every ordering decision,
+serves `--requests` client requests under the selected faults, then settles past every
+deadline with faults off, probes recovery, and checks its invariants. A seed replays
+exactly; a failing seed prints the command that replays it and a minimal event log of
+what happened to the requests involved.
 
-Protocols plug in through `PROTOCOLS` (a runner and an explainer per name); `all` runs
-every registered one. The encoder-cache protocol joins the same way.
+Protocols plug in through `PROTOCOLS` (a runner, an explainer and its broken variants
+per name); `all` runs every registered one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +58,7 @@ class Protocol:
     name: str
     run: Callable[[int, SimulateOptions], SeedResult]
     explain: Callable[[int, SimulateOptions], list[str]]
+    variants: Callable[[], Sequence[str]]
 
 
 # -- push ---------------------------------------------------------------------------------
@@ -96,20 +99,78 @@ def explain_push_seed(seed: int, options: SimulateOptions) -> list[str]:
     return minimal_log(list(world.log), result.violations)
 
 
+def _push_variants() -> list[str]:
+    from kvhandoff.adapters.sim_variants import VARIANTS
+
+    return sorted(VARIANTS)
+
+
+# -- encoder cache --------------------------------------------------------------------------
+
+
+def _ec_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
+    from kvhandoff.adapters.sim_ec_variants import EC_VARIANTS
+    from kvhandoff.adapters.sim_ec_world import ECSimSettings, SimulatedECWorld
+    from kvhandoff.adapters.sim_fabric import SimFaults
+
+    return SimulatedECWorld(
+        seed,
+        faults=SimFaults.select(options.faults),
+        settings=ECSimSettings(requests=options.requests),
+        variant=EC_VARIANTS[options.variant] if options.variant else None,
+        record=record,
+        log_limit=None if record else 0,
+    )
+
+
+def run_ec_seed(seed: int, options: SimulateOptions) -> SeedResult:
+    result = _ec_world(seed, options, record=False).run()
+    return SeedResult(
+        "ec",
+        seed,
+        result.requests,
+        result.completed,
+        result.failed_cleanly,
+        result.leaked,
+        result.hung,
+        result.violations,
+    )
+
+
+def explain_ec_seed(seed: int, options: SimulateOptions) -> list[str]:
+    """Re-run `seed` recording every transition; keep what concerns the failing requests
+    (their client ids and the encodings they asked for) and every injected fault."""
+    world = _ec_world(seed, options, record=True)
+    result = world.run()
+    terms = world.terms_of(result.violations)
+    return minimal_log(list(world.log), result.violations, extra_terms=terms)
+
+
+def _ec_variants() -> list[str]:
+    from kvhandoff.adapters.sim_ec_variants import EC_VARIANTS
+
+    return sorted(EC_VARIANTS)
+
+
 PROTOCOLS: dict[str, Protocol] = {
-    "push": Protocol("push", run_push_seed, explain_push_seed),
+    "push": Protocol("push", run_push_seed, explain_push_seed, _push_variants),
+    "ec": Protocol("ec", run_ec_seed, explain_ec_seed, _ec_variants),
 }
 
 
 # -- the event log of a failure --------------------------------------------------------------
 
 _CLIENT = re.compile(r"cmpl-\d+-\d+")
-_FAULTS = ("CRASH", "RESTART", "PARTITION", "HEAL")
+_FAULTS = ("CRASH", "RESTART", "PARTITION", "HEAL", "CLOCK JUMP", "EVICTION PRESSURE")
 
 
-def minimal_log(lines: Sequence[str], violations: Sequence[str]) -> list[str]:
-    """The lines about the clients the first violations name (and every injected fault)."""
+def minimal_log(
+    lines: Sequence[str], violations: Sequence[str], *, extra_terms: Iterable[str] = ()
+) -> list[str]:
+    """The lines about the clients the first violations name, or any of `extra_terms`
+    (and every injected fault)."""
     clients = {m.group(0) for v in violations[:3] for m in _CLIENT.finditer(v)}
+    clients.update(extra_terms)
     picked = []
     for line in lines:
         text = _compact(line)
@@ -251,7 +312,7 @@ def main_from_args(args: Any) -> int:
         faults=tuple(f for f in args.faults.split(",") if f) or ("none",),
         variant=args.variant,
     )
-    problem = _check_options(options)
+    problem = _check_options(options, names)
     if problem:
         print(f"kvhandoff simulate: {problem}", file=sys.stderr)
         return 2
@@ -294,17 +355,19 @@ def main_from_args(args: Any) -> int:
     return 0 if report.ok else 1
 
 
-def _check_options(options: SimulateOptions) -> str | None:
+def _check_options(options: SimulateOptions, names: Sequence[str]) -> str | None:
     from kvhandoff.adapters.sim_fabric import SimFaults
-    from kvhandoff.adapters.sim_variants import VARIANTS
     from kvhandoff.protocol.errors import LocalProtocolError
 
     try:
         SimFaults.select(options.faults)
     except LocalProtocolError as exc:
         return str(exc)
-    if options.variant is not None and options.variant not in VARIANTS:
-        return f"unknown variant {options.variant!r}; known: {', '.join(sorted(VARIANTS))}"
+    if options.variant is not None:
+        for name in names:
+            known = PROTOCOLS[name].variants()
+            if options.variant not in known:
+                return f"unknown {name} variant {options.variant!r}; known: {', '.join(known)}"
     if options.requests < 1:
         return "--requests must be at least 1"
     return None
