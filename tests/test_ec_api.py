@@ -587,3 +587,23 @@ def test_B05_synchronous_send_failure_fails_a_rewritten_request_without_crashing
     assert "peer_disconnected" in failure.reason
     assert scheduler.cache.pool.free_count == 8
     assert not scheduler.ensure_cache_available(req), "stays failed until finished"
+
+
+def test_R_E12_an_ack_that_arrives_after_its_timeout_starts_no_read() -> None:
+    """Found by `kvhandoff simulate ec`: the consumer stalled while a grant's OK ack
+    waited in its socket; on waking it must not READ a grant whose lease may be over.
+    Every inbound message meets machines whose due timeouts have already fired."""
+    sim = Sim(17)
+    params = produce(sim, "h", 2)
+    req = request("c1", "h", ec_transfer_params=params)
+    scheduler = sim.consumer.scheduler
+    assert not scheduler.ensure_cache_available(req)  # the XferReq is on its way
+    read = scheduler.consumer.read("h")  # type: ignore[union-attr]
+    assert read is not None and read.state == "xfer_req_sent"
+    ack = producer_answers(sim, encode_xfer_req(read.ctx.request("h")))
+    assert ack.status is XferStatus.OK
+    sim.clock.advance(31.0)  # the consumer stalls past its ack timeout and the lease
+    with pytest.raises(RemoteProtocolError, match="no read awaits"):  # a stale ack
+        scheduler.on_xfer_ack(encode_xfer_ack(ack), peer="producer")
+    assert read.state == "fallback_local" and read.ctx.reason == "ack_timeout"
+    assert sim.reads_started == 0, "no READ of a grant whose lease may be over"
