@@ -322,13 +322,17 @@ class ECSide:
         sent = False
         if server is not None and isinstance(peer, bytes):
             try:
-                sent = server.reply(peer, encode_xfer_ack(effect.ack))
+                sent = self._reply(server, peer, encode_xfer_ack(effect.ack))
             except (KvHandoffError, RuntimeError, zmq.ZMQError) as exc:
                 log.warning("XferAck %s not sent: %s", effect.ack.transfer_id, exc)
         if not sent:
             self.acks_undelivered += 1
             if isinstance(peer, bytes):
                 self._gone_consumers.append(peer)  # delivered at the next poll
+
+    def _reply(self, server: ControlServer, peer: bytes, data: bytes) -> bool:
+        """The bytes of one `XferAck` onto the wire (fault injection overrides this)."""
+        return server.reply(peer, data)
 
     def _evicted(self, inst: Instance | None, effect: EncodingEvicted) -> None:
         log.info("published encoding %s left the tier (%s)", effect.mm_hash, effect.reason)

@@ -32,28 +32,31 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
-        known = {f.name for f in fields(cls)}
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            name, _, raw = part.partition("=")
-            if name not in known:
-                raise LocalProtocolError(f"unknown fault {name!r}; known: {sorted(known)}")
-            try:
-                values[name] = float(raw)
-            except ValueError:
-                raise LocalProtocolError(
-                    f"fault {name!r} needs a probability, got {raw!r}"
-                ) from None
-            if not 0.0 <= values[name] <= 1.0:
-                raise LocalProtocolError(f"fault {name!r} probability {raw} is not in [0, 1]")
-        return cls(**values)
+        return cls(**parse_probabilities(text, [f.name for f in fields(cls)]))
 
     @property
     def any(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))
 
 
-class _Dice:
+def parse_probabilities(text: str, known: Sequence[str]) -> dict[str, float]:
+    """`name=p,name=p` as {name: p}; `LocalProtocolError` for an unknown name or a
+    probability outside [0, 1]."""
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, raw = part.partition("=")
+        if name not in known:
+            raise LocalProtocolError(f"unknown fault {name!r}; known: {sorted(known)}")
+        try:
+            values[name] = float(raw)
+        except ValueError:
+            raise LocalProtocolError(f"fault {name!r} needs a probability, got {raw!r}") from None
+        if not 0.0 <= values[name] <= 1.0:
+            raise LocalProtocolError(f"fault {name!r} probability {raw} is not in [0, 1]")
+    return values
+
+
+class Dice:
     """A seeded, thread-safe coin: the writer, main and executor threads all roll it."""
 
     def __init__(self, seed: int) -> None:
@@ -70,7 +73,7 @@ class _Dice:
 
 
 def faulty_transport_factory(plan: FaultPlan, seed: int) -> Any:
-    dice = _Dice(seed)
+    dice = Dice(seed)
 
     class FaultyNixlPushTransport(NixlPushTransport):
         injected = dice.injected

@@ -10,19 +10,27 @@ namespaces cannot be created (not root, no iproute2).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from kvhandoff.demo.launcher import collect, go, start_role, wait_ready
+from kvhandoff.demo.launcher import collect, go, relay, start_role, wait_ready
 
 pytestmark = pytest.mark.integration
 
 P_ADDR, D_ADDR = "10.213.0.1", "10.213.0.2"  # the test's own hosts, inside its namespaces
+PARTITION_REASONS = ("ack_timeout", "peer_disconnected", "read_timeout", "read_failed")
+EC_CONSUMER_TIMEOUTS = {
+    "consumer_ack_timeout_s": 1.5,
+    "nixl_read_timeout_s": 3.0,
+    "read_quarantine_s": 1.0,
+}
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -123,3 +131,92 @@ def test_partition_cut_and_heal_mid_transfer(namespaces: tuple[str, str, str]) -
     assert all(e["verified"] for e in received), "every received byte is P's"
     failed = [e for e in events["decode"] if e["event"] == "failed"]
     assert all(e["reason"] for e in failed), "every failure carries a reason"
+
+
+@pytest.mark.parametrize("ucx_tls", ["default", "tcp"])
+def test_R_E08_R_E12_ec_partition_cut_and_heal_mid_transfer(
+    namespaces: tuple[str, str, str], ucx_tls: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder-cache tier across the veth: the producer serves from its namespace
+    (`--listen` and `--advertise-host` on its address), the consumer pulls with `--peer`.
+    The link is cut after a few encodings were read over NIXL, and healed once a request
+    has fallen back. Every request resolves with verified bytes (read, or encoded locally
+    after an ack timeout, a read timeout or a lost peer); the producer ends with no pinned
+    grant and no leaked block, and both `/dev/shm` regions are gone.
+
+    UCX picks its transports itself (`default`): the control plane and UCX's wire-up
+    cross the veth, while READ data between two processes of one host may take a
+    cross-memory-attach lane that the cut does not touch. `UCX_TLS=tcp` sends the READ
+    data over the veth too."""
+    if ucx_tls != "default":
+        monkeypatch.setenv("UCX_TLS", ucx_tls)
+    ns_p, ns_d, veth = namespaces
+    n = 40
+    common = ["--requests", str(n), "--wait-go", "--deadline", "60"]
+    producer = _role(
+        ns_p,
+        "producer",
+        "--listen",
+        f"{P_ADDR}:0",
+        "--advertise-host",
+        P_ADDR,
+        "--per-step",
+        "8",
+        *common,
+        "--config",
+        json.dumps({"pin_lease_s": 2.0}),
+    )
+    ready = wait_ready(producer, 60)
+    consumer = _role(
+        ns_d,
+        "consumer",
+        "--peer",
+        f"{P_ADDR}:{ready['port']}",
+        "--per-step",
+        "1",
+        "--step-ms",
+        "100",
+        *common,
+        "--config",
+        json.dumps(EC_CONSUMER_TIMEOUTS),
+    )
+    wait_ready(consumer, 60)
+    go([producer, consumer])
+    events: dict[str, list[dict[str, Any]]] = {"producer": [], "consumer": []}
+    cut = healed = 0  # how many consumer events came before the cut, before the heal
+
+    def on_event(role: str, event: dict[str, Any]) -> None:
+        nonlocal cut, healed
+        events[role].append(event)
+        kind, seen = event["event"], len(events["consumer"])
+        if role == "consumer" and kind == "summary":
+            relay(producer, {"op": "stop"})  # the producer settles its grants, then ends
+        served = [e for e in events["consumer"] if e["event"] == "received" and e["via"] == "p2p"]
+        if not cut and len(served) >= 3:
+            _ip("-n", ns_p, "link", "set", f"{veth}p", "down")  # the partition
+            cut = seen
+        cut_off = kind == "received" and event["reason"] in PARTITION_REASONS
+        if cut and not healed and role == "consumer" and (cut_off or kind == "summary"):
+            _ip("-n", ns_p, "link", "set", f"{veth}p", "up")  # heal
+            healed = seen
+
+    collect([producer, consumer], 120, on_event)
+    assert cut and healed, "the link was cut mid-transfer, and healed"
+    summaries = {role: [e for e in evs if e["event"] == "summary"] for role, evs in events.items()}
+    assert summaries["producer"] and summaries["consumer"], events
+    c_sum, p_sum = summaries["consumer"][-1], summaries["producer"][-1]
+    received = [e for e in events["consumer"] if e["event"] == "received"]
+    reasons = Counter(e["reason"] or e["via"] for e in received)
+    after_heal = Counter(e["via"] for e in events["consumer"][healed:] if e["event"] == "received")
+    print(f"ec partition: {dict(reasons)}, after the heal {dict(after_heal)}")
+    print(f"consumer {c_sum}\nproducer {p_sum}")
+    assert c_sum["unresolved"] == 0 and c_sum["failed"] == 0, "every request resolved"
+    assert len(received) == n and all(e["verified"] for e in received), "every byte verified"
+    assert sum(e["via"] == "p2p" for e in received) >= 3
+    assert any(e["reason"] in PARTITION_REASONS for e in received), "the cut made some fall back"
+    assert p_sum["pinned_grants"] == 0 and p_sum["grants"] == {}, "no grant stays pinned"
+    for summary in (p_sum, c_sum):
+        assert summary["leaked_blocks"] == 0 and summary["live_lifecycles"] == 0, summary
+        assert summary["pool_consistent"]
+    for role in (producer, consumer):
+        assert not os.path.exists(role.ready["region"]), "no /dev/shm region leaks"

@@ -160,7 +160,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_soak(args: argparse.Namespace) -> int:
     from kvhandoff.soak import run_soak
 
-    result = run_soak(args.seconds, args.faults, args.seed)
+    result = run_soak(args.seconds, args.faults, args.seed, args.ec_faults)
     if not args.json:
         for key, value in result.items():
             print(f"{key}: {value}")
@@ -197,9 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=_cmd_demo)
 
-    soak = sub.add_parser("soak", help="two-process traffic under injected faults")
+    soak = sub.add_parser("soak", help="push and encoder-cache traffic under injected faults")
     soak.add_argument("--seconds", type=float, default=30.0)
-    soak.add_argument("--faults", default="write_fail=0.02,notif_drop=0.01,handshake_fail=0.05")
+    soak.add_argument(
+        "--faults",
+        default="write_fail=0.02,notif_drop=0.01,handshake_fail=0.05",
+        help="push faults (prefill and decode)",
+    )
+    soak.add_argument(
+        "--ec-faults",
+        default="read_fail=0.02,req_drop=0.01,ack_drop=0.01,garble=0.01,slow_save=0.03",
+        help="encoder-cache faults (producer and consumer)",
+    )
     soak.add_argument("--seed", type=int, default=1)
     soak.add_argument("--json", action="store_true")
     soak.set_defaults(func=_cmd_soak)
@@ -226,7 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--advertise-host", default=None, help="producer: host to publish")
     run.add_argument("--step-ms", type=float, default=0.0, help="pace each engine step")
     run.add_argument("--warmup", action="store_true", help="run the first request alone")
-    run.add_argument("--faults", default="", help="e.g. write_fail=0.02,notif_drop=0.01")
+    run.add_argument(
+        "--faults",
+        default="",
+        help="seeded faults, push: write_fail=0.02,notif_drop=0.01,handshake_fail=0.05; "
+        "EC: read_fail=0.02,req_drop=0.01,ack_drop=0.01,garble=0.01,slow_save=0.03",
+    )
     run.add_argument("--fault-seed", type=int, default=0)
     run.set_defaults(func=_cmd_run)
 

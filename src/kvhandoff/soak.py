@@ -1,90 +1,71 @@
-"""`kvhandoff soak --seconds S`: two-process push traffic under injected faults.
+"""`kvhandoff soak --seconds S`: push and encoder-cache traffic under injected faults.
 
-P and D run as processes over real NIXL and ZMQ for about S seconds, one request per
-paced engine step, with seeded faults (WRITE post failures, lost notifs, failed
-handshakes) on both sides and short deadlines, so every fault path is exercised many
-times. At the end every request must be resolved — verified, or failed with a reason —
-every KV block back in its pool, no lifecycle left on either bus, and the resident
-memory of both processes flat.
+Four processes run for about S seconds, side by side: P and D push KV blocks
+(`soak_push`), an encoder-cache producer and consumer pull encodings over NIXL READ
+(`soak_ec`), each with seeded faults and short deadlines, so every fault path is
+exercised many times. At the end every request must be resolved, every block back in
+its pool, no lifecycle, grant or `/dev/shm` region left, and the resident memory of the
+processes flat. The totals keep the keys `requests`, `completed`, `failed`, `leaked` and
+`rss_growth_mb`; `push` and `ec` break them down.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from collections import Counter
+import time
 from typing import Any
 
-from kvhandoff.demo.launcher import collect, go, start_role, wait_ready
+from kvhandoff.demo.launcher import collect, go, stop_all, wait_ready
+from kvhandoff.soak_ec import DEFAULT_EC_FAULTS, ECSoak
+from kvhandoff.soak_push import DEFAULT_PUSH_FAULTS, PushSoak
 
-SOAK_CONFIG = {
-    "kv_lease_duration": 3.0,
-    "push_registration_timeout": 3.0,
-    "handshake_timeout": 1.0,
-    "push_write_timeout": 3.0,
-    "heartbeat_interval": 0.5,
-}
-DEFAULT_FAULTS = "write_fail=0.02,notif_drop=0.01,handshake_fail=0.05"
+DEFAULT_FAULTS = DEFAULT_PUSH_FAULTS
+START_TIMEOUT_S = 120.0  # four processes import torch and start NIXL on a few cores
 
 
-def _bucket(reason: str) -> str:
-    if "injected post failure" in reason:
-        return "WRITE failed to post (B-06)"
-    if "watchdog" in reason:
-        return "registration watchdog expired"
-    if "handshake" in reason:
-        return "handshake failed"
-    return reason[:60]
+def _progress(message: str) -> None:
+    print(f"soak: {message}", file=sys.stderr, flush=True)
 
 
-def run_soak(seconds: float, faults: str = DEFAULT_FAULTS, seed: int = 1) -> dict[str, Any]:
-    step_ms = 20.0
-    requests = max(1, int(seconds * 1000 / step_ms))
-    common = [
-        "--requests", str(requests), "--seed", str(seed), "--per-step", "1",
-        "--step-ms", str(step_ms), "--wait-go", "--deadline", str(seconds + 60),
-        "--faults", faults, "--config", json.dumps(SOAK_CONFIG),
-    ]  # fmt: skip
-    prefill = start_role("prefill", ["run", "prefill", *common, "--fault-seed", str(seed)])
-    ready = wait_ready(prefill, 60)
-    decode = start_role(
-        "decode",
-        ["run", "decode", "--peer", f"127.0.0.1:{ready['port']}", *common,
-         "--fault-seed", str(seed + 1)],
-    )  # fmt: skip
-    wait_ready(decode, 60)
-    go([prefill, decode])
-    failed: Counter[str] = Counter()
-    summaries: dict[str, dict[str, Any]] = {}
-    counts = {"received": 0, "bad_bytes": 0}
+def run_soak(
+    seconds: float,
+    faults: str = DEFAULT_PUSH_FAULTS,
+    seed: int = 1,
+    ec_faults: str = DEFAULT_EC_FAULTS,
+) -> dict[str, Any]:
+    started = time.monotonic()
+    push = PushSoak(seconds, faults, seed, _progress)
+    ec = ECSoak(seconds, ec_faults, seed, _progress)
+    push.start_prefill()
+    roles = ec.start()
+    try:
+        push.start_decode(START_TIMEOUT_S)
+        roles = [*push.roles, *roles]
+        for role in roles:
+            if not role.ready:
+                wait_ready(role, START_TIMEOUT_S)
+    except BaseException:
+        stop_all([*push.roles, *roles])
+        raise
+    _progress(f"{push.requests} push and {ec.requests} encoder-cache requests, {seconds:g} s")
+    go(roles)
+    owner = {name: push for name in ("prefill", "decode")}
 
     def on_event(role: str, event: dict[str, Any]) -> None:
-        kind = event["event"]
-        if kind == "received":
-            counts["received"] += 1
-            counts["bad_bytes"] += not event["verified"]
-            if counts["received"] % 100 == 0:
-                print(f"soak: {counts['received']} received", file=sys.stderr, flush=True)
-        elif kind == "failed":
-            failed[_bucket(event["reason"])] += 1
-        elif kind == "summary":
-            summaries[role] = event
+        (owner.get(role) or ec).on_event(role, event)
 
-    collect([prefill, decode], seconds + 90, on_event)
-    leaked = counts["bad_bytes"]
-    for role in ("prefill", "decode"):
-        summary = summaries.get(role)
-        if summary is None:
-            leaked += 1  # a role that never reported cannot vouch for its pool
-            continue
-        leaked += summary["leaked_blocks"] + summary["live_lifecycles"] + summary["unresolved"]
-    growth = [s["rss_mb"] - s["rss_mb_start"] for s in summaries.values() if s.get("rss_mb_start")]
+    collect(roles, seconds + 120, on_event)
+    parts = {"push": push.result(), "ec": ec.result()}
+    growth = [p["rss_growth_mb"] for p in parts.values() if p["rss_growth_mb"] is not None]
+    failed_by_reason = dict(parts["push"]["failed_by_reason"])
+    failed_by_reason.update({f"ec: {k}": v for k, v in parts["ec"]["failed_by_reason"].items()})
     return {
-        "requests": requests,
-        "completed": counts["received"] - counts["bad_bytes"],
-        "failed": sum(failed.values()),
-        "failed_by_reason": dict(failed),
-        "leaked": leaked,
-        "rss_growth_mb": round(max(growth), 1) if growth else None,
-        "injected": {role: s.get("injected", {}) for role, s in summaries.items()},
+        **{key: sum(p[key] for p in parts.values()) for key in ("requests", "completed")},
+        "failed": sum(p["failed"] for p in parts.values()),
+        "failed_by_reason": failed_by_reason,
+        "leaked": sum(p["leaked"] for p in parts.values()),
+        "rss_growth_mb": max(growth) if growth else None,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "injected": {**parts["push"]["injected"], **parts["ec"]["injected"]},
+        **parts,
     }

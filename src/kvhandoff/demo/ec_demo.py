@@ -97,9 +97,9 @@ class ECDemo:
         kind = event["event"]
         if kind == "finished":
             if event.get("case") == "late" and event["mm_hash"] not in self.evicted:
-                self.held[event["mm_hash"]] = _leg(event)  # the orchestrator is late here
+                self.held[event["mm_hash"]] = consumer_leg(event)  # the orchestrator is late here
             else:
-                relay(self.consumer, _leg(event))
+                relay(self.consumer, consumer_leg(event))
         elif kind == "evicted":
             self.evicted.add(event["mm_hash"])
             _progress(f"producer announced {event['mm_hash']} {event['reason']} (B-01)")
@@ -132,7 +132,7 @@ class ECDemo:
             _progress(f"{done}/{self.requests} served")
 
 
-def _leg(event: dict[str, Any]) -> dict[str, Any]:
+def consumer_leg(event: dict[str, Any]) -> dict[str, Any]:
     """The follow-up request the orchestrator sends the consumer."""
     return {key: event[key] for key in ("client", "mm_hash", "tokens", "params")}
 

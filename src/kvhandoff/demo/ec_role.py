@@ -23,11 +23,18 @@ Events go to stdout as `@@ <json>` lines. Lines on stdin: `go` (with `--wait-go`
 `{"op": "encode", "client", "mm_hash", "tokens", "hold", "publish"}` (`hold`: true, or
 the most seconds to hold the save back waiting for a NACK_NOT_READY),
 `{"op": "release"}` (held saves land), `{"op": "status"}`, `{"op": "stop"}`. A role ends
-at `stop`, at the end of stdin, or at `--deadline`.
+at `stop`, at the end of stdin, or at `--deadline`; it settles first (held saves land,
+grants end with their XferDone or pin lease, reads with their quarantine) and its summary
+counts what is left (`ec_audit`), with its resident memory.
+
+For soaks: `--step-ms` paces each engine step, `--faults` with `--fault-seed` injects
+seeded faults (`adapters/ec_fault_injection.py`), and `ec_cpu_bytes` in `--config` sizes
+the tier (a small one evicts under pressure).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +45,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -47,8 +54,10 @@ import numpy as np
 import torch
 
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine
+from kvhandoff.adapters.ec_fault_injection import ECFaultPlan, ECFaults, FaultyECSide
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.demo.push_role import MARK, emit
+from kvhandoff.demo.ec_audit import audit, settled
+from kvhandoff.demo.push_role import MARK, emit, rss_mb
 from kvhandoff.machines.ec_cache_entry import EncodingEvicted
 from kvhandoff.machines.ec_meta import CopyDirection, CopyItem, ECRequestInfo
 from kvhandoff.protocol.ec_config import EXTRA_CONFIG_KEYS, ECLayout, ECRole, ECTransferConfig
@@ -72,8 +81,8 @@ class ECDemoRequest:
     mm_hash: str
     tokens: int
     case: str = "normal"
-    """`normal`, `late` (evicted before the orchestrator relays it) or `slow` (its save
-    lands only after a NACK_NOT_READY)."""
+    """`normal`, `late` (evicted before the orchestrator relays it), `slow` (its save
+    lands only after a NACK_NOT_READY) or `filler` (unpublished; evicts the late one)."""
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -109,9 +118,13 @@ def matches(mm_hash: str, tensor: torch.Tensor) -> bool:
     )
 
 
-def region_blocks(requests: list[ECDemoRequest]) -> int:
-    """Room for every encoding at once plus a little: only the planned eviction happens."""
-    return sum(r.tokens for r in requests) + SPARE_BLOCKS
+def region_blocks(requests: list[ECDemoRequest], extra: Mapping[str, Any]) -> int:
+    """Room for every encoding at once plus a little, so only the planned eviction
+    happens; or what `ec_cpu_bytes` in the extra config asks for (a small tier evicts
+    under pressure), at least room for the largest encoding."""
+    if "ec_cpu_bytes" in extra:
+        return max(int(extra["ec_cpu_bytes"]) // BLOCK_BYTES, max(TOKEN_CHOICES))
+    return max(sum(r.tokens for r in requests) + SPARE_BLOCKS, 64)
 
 
 @dataclass
@@ -132,6 +145,12 @@ class ECRoleOptions:
     machine: dict[str, float]
     wait_go: bool = False
     relay: bool = False
+    step_ms: float = 0.0
+    """Each engine step takes this long (0: as fast as it goes, idling when there is
+    nothing to do)."""
+    faults: str = ""
+    """Seeded faults of `ECFaultPlan`, e.g. `read_fail=0.02,ack_drop=0.01`."""
+    fault_seed: int = 0
 
 
 def transfer_config(opts: ECRoleOptions, num_blocks: int) -> ECTransferConfig:
@@ -206,17 +225,25 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through `close()`: the region is unlinked
 
 
+def _side_class(opts: ECRoleOptions) -> tuple[Callable[..., ECSide], ECFaults]:
+    faults = ECFaults(ECFaultPlan.parse(opts.faults), opts.fault_seed)
+    if not faults.plan.any:
+        return ECSide, faults
+    return functools.partial(FaultyECSide, faults=faults), faults
+
+
 def run_ec_role(opts: ECRoleOptions) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _on_sigterm)
     requests = ec_demo_requests(opts.requests, opts.seed)
-    num_blocks = max(region_blocks(requests), 64)
+    num_blocks = region_blocks(requests, opts.extra)
     layout = ECLayout(HIDDEN, 2, num_blocks * BLOCK_BYTES)
     stdin = _Stdin()
     gate = _SaveGate()
     loop: _ProducerLoop | _ConsumerLoop
-    side = ECSide(
+    side_class, faults = _side_class(opts)
+    side = side_class(
         transfer_config(opts, num_blocks),
         layout,
         compat_hash=COMPAT,
@@ -240,19 +267,35 @@ def run_ec_role(opts: ECRoleOptions) -> int:
             emit("summary", role=opts.role, unresolved=0, stopped_before_go=True)
             return 0
         if opts.role == "producer":
-            loop = _ProducerLoop(side, opts, requests, stdin, deadline, gate)
+            loop = _ProducerLoop(side, opts, requests, stdin, deadline, gate, faults)
         else:
             loop = _ConsumerLoop(side, opts, requests, stdin, deadline)
         summary = loop.run()
-        summary["counters"] = side.counters()
+        summary.update(audit(side), counters=side.counters(), injected=dict(faults.injected))
     finally:
         side.close()
-    emit("summary", **summary)
+    emit("summary", **summary, rss_mb_start=loop.rss_start, rss_mb=rss_mb())
     return 0 if summary.get("unresolved", 0) == 0 else 1
 
 
 def _idle() -> None:
     time.sleep(0.0002)  # an engine with nothing to compute would wait for requests
+
+
+def _pace(opts: ECRoleOptions, busy: bool) -> None:
+    """The end of one engine step: it took `--step-ms`, or it idles when it had no work."""
+    if opts.step_ms > 0:
+        time.sleep(opts.step_ms / 1000.0)
+    elif not busy:
+        _idle()
+
+
+def _settle(side: ECSide, opts: ECRoleOptions, until: float, step: Callable[[], Any]) -> None:
+    """Keep stepping after the traffic until nothing is in flight (grants end with their
+    XferDone or pin lease, reads with their quarantine), or `until`."""
+    while not settled(side) and time.monotonic() < until:
+        step()
+        _pace(opts, busy=False)
 
 
 class _ProducerLoop:
@@ -264,12 +307,15 @@ class _ProducerLoop:
         stdin: _Stdin,
         deadline: float,
         gate: _SaveGate,
+        faults: ECFaults,
     ) -> None:
         self.side = side
         self.opts = opts
         self.stdin = stdin
         self.deadline = deadline
         self.held = gate.held
+        self.faults = faults
+        self.rss_start: float | None = None
         self.published = 0
         self.evicted: list[str] = []
         self.todo: list[list[ECDemoRequest]] = self._plan(requests)
@@ -285,7 +331,9 @@ class _ProducerLoop:
         for req in requests:
             if req.case == "late":
                 tokens = self.side.layout.num_blocks - req.tokens + 1
-                filler = ECDemoRequest(f"{req.client_id}-filler", f"filler-{req.mm_hash}", tokens)
+                filler = ECDemoRequest(
+                    f"{req.client_id}-filler", f"filler-{req.mm_hash}", tokens, "filler"
+                )
                 steps += [[req], [filler]]
             elif req.case == "slow":
                 steps.append([req])
@@ -366,6 +414,32 @@ class _ProducerLoop:
             "metrics": dict(sched.bus.metrics),
         }
 
+    def _hold_s(self, req: ECDemoRequest) -> float:
+        """How long the save of `req` is held back: the slow case, or a `slow_save`."""
+        slow = req.case == "slow" or (req.case == "normal" and self.faults.roll("slow_save"))
+        return HOLD_MAX_S if slow else 0.0
+
+    def _release_due(self) -> None:
+        now = time.monotonic()
+        for mm_hash, until in list(self.held.items()):
+            if now > until:
+                del self.held[mm_hash]
+                emit("save_released", mm_hash=mm_hash, why="hold timed out")
+
+    def _step(self, group: list[ECDemoRequest]) -> None:
+        """One engine step: encode `group`, land saves, let go of what is in the tier or
+        was never going to be (no room for its save), publish `group`."""
+        side = self.side
+        infos = [self._encode(req, hold_s=self._hold_s(req)) for req in group]
+        finished = side.engine_step()
+        for mm_hash in finished.saved | finished.failed:
+            side.encoder_cache.pop(mm_hash, None)  # the "GPU" cache lets it go
+        for req, info in zip(group, infos, strict=True):
+            if side.scheduler.cache.state(req.mm_hash) is None:
+                side.encoder_cache.pop(req.mm_hash, None)  # no room: nothing to save
+            if req.case != "filler":
+                self._publish(req, info)
+
     def run(self) -> dict[str, Any]:
         side = self.side
         encoded = 0
@@ -373,32 +447,23 @@ class _ProducerLoop:
             side.poll()
             if not self._commands():
                 break
-            now = time.monotonic()
-            for mm_hash, until in list(self.held.items()):
-                if now > until:
-                    del self.held[mm_hash]
-                    emit("save_released", mm_hash=mm_hash, why="hold timed out")
+            self._release_due()
             group = self.todo.pop(0) if self.todo else []
-            infos = [
-                self._encode(req, hold_s=HOLD_MAX_S if req.case == "slow" else 0.0) for req in group
-            ]
-            finished = side.engine_step()
-            for mm_hash in finished.saved | finished.failed:
-                side.encoder_cache.pop(mm_hash, None)  # the "GPU" cache lets it go
-            for req, info in zip(group, infos, strict=True):
-                encoded += 1
-                if not req.mm_hash.startswith("filler-"):
-                    self._publish(req, info)
-            if not group:
-                _idle()
-        grants = self.status()["grants"]
+            if group and self.rss_start is None:
+                self.rss_start = rss_mb()
+            self._step(group)
+            encoded += len(group)
+            _pace(self.opts, busy=bool(group))
+        self.held.clear()  # held saves land now; grants end with XferDone or the pin lease
+        until = min(self.deadline, time.monotonic() + side.extra.pin_lease_s + 2.0)
+        _settle(side, self.opts, until, lambda: self._step([]))
         return {
             "role": "producer",
             "encoded": encoded,
             "published": self.published,
             "evictions_announced": len(self.evicted),
-            "grants": grants,
-            "unresolved": len(self.todo),
+            "grants": self.status()["grants"],
+            "unresolved": sum(map(len, self.todo)),
         }
 
 
@@ -436,6 +501,7 @@ class _ConsumerLoop:
         self.failed = 0
         self.resolved = 0
         self.stopped = False
+        self.rss_start: float | None = None
 
     def _seeded_params(self, req: ECDemoRequest) -> dict[str, Any]:
         """Without a relaying orchestrator: the producer at `--peer` holds every encoding."""
@@ -469,6 +535,8 @@ class _ConsumerLoop:
 
     def _admit(self) -> None:
         take, self.legs = self.legs[: self.opts.per_step], self.legs[self.opts.per_step :]
+        if take and self.rss_start is None:
+            self.rss_start = rss_mb()
         for req, params in take:
             info = ECRequestInfo(f"{req.client_id}-c", (req.mm_hash,), ec_transfer_params=params)
             self.pending[req.client_id] = _Pending(req, info)
@@ -545,9 +613,13 @@ class _ConsumerLoop:
                     )
             if total and self.resolved >= total and not self.legs:
                 break
-            _idle()
+            _pace(self.opts, busy=False)
         for item in list(self.pending.values()):
             self._finish(item, ok=False, failure="deadline passed")
+        extra = side.extra
+        waits = extra.consumer_ack_timeout_s + extra.nixl_read_timeout_s + extra.read_quarantine_s
+        until = min(self.deadline, time.monotonic() + waits + 2.0)
+        _settle(side, self.opts, until, side.engine_step)
         return {
             "role": "consumer",
             "requests": total,
@@ -598,6 +670,9 @@ def main_from_args(args: Any) -> int:
         machine=machine,
         wait_go=args.wait_go,
         relay=relay,
+        step_ms=float(getattr(args, "step_ms", 0.0)),
+        faults=getattr(args, "faults", ""),
+        fault_seed=int(getattr(args, "fault_seed", 0)),
     )
     code = run_ec_role(opts)
     # Everything was closed explicitly (the region unlinked, the agent and sockets closed);

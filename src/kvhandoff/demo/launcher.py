@@ -99,15 +99,19 @@ def collect(
     deadline = time.monotonic() + timeout_s
     live = {r.name: r for r in roles}
     while live and time.monotonic() < deadline:
+        idle = True
         for name, role in list(live.items()):
             try:
-                event = role.events.get(timeout=0.05)
+                event = role.events.get_nowait()
             except queue.Empty:
                 continue
+            idle = False
             if event["event"] == "exit":
                 del live[name]
             else:
                 on_event(name, event)
+        if idle:
+            time.sleep(0.002)  # poll interval: one role's silence never delays another's
     stop_all(roles)
 
 

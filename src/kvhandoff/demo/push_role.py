@@ -101,13 +101,13 @@ def run_push_role(opts: RoleOptions) -> int:
         injected=dict(getattr(live.transport, "injected", {})),
         leaked_blocks=live.memory.shape.num_blocks - live.memory.free_count,
         live_lifecycles=sum(live.side.bus.live(k) for k in live.side.bus.kinds()),
-        rss_mb=_rss_mb(),
+        rss_mb=rss_mb(),
     )
     emit("summary", **summary)
     return 0 if summary.get("unresolved", 0) == 0 else 1
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     """Resident set size of this process, in MiB (Linux)."""
     with open("/proc/self/statm") as statm:
         pages = int(statm.read().split()[1])
@@ -176,7 +176,7 @@ class _PrefillLoop(_Loop):
                 emit("finished", client=req.client_id, t=time.time(), bytes=nbytes, params=params)
             self.todo = self.todo[len(batch) :]
             if len(self.blocks) == 1 and self.rss_start is None:
-                self.rss_start = _rss_mb()
+                self.rss_start = rss_mb()
             output = self.step()
             for rid in output.finished_sending:
                 self.memory.free(self.blocks.pop(rid))
@@ -214,7 +214,7 @@ class _DecodeLoop(_Loop):
                 started += 1
                 self.started = started
             if started == 1 and self.rss_start is None:
-                self.rss_start = _rss_mb()
+                self.rss_start = rss_mb()
             output = self.step()
             for rid in output.finished_recving:
                 client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)

@@ -1,0 +1,50 @@
+"""What an encoder-cache instance still holds when its role ends, for soaks and tests.
+
+An entry that is `ready` is the tier doing its job (a cached encoding), never a leak.
+Everything else that outlives the traffic is: a block owned by no ready entry, an entry
+still `allocated` (a save or READ destination) or `pinned`, a producer grant, a consumer
+read, a request lifecycle, a copy batch, a READ handle. `settled(side)` says whether the
+instance has nothing in flight any more; `audit(side)` counts what is left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvhandoff.adapters.ec_side import ECSide
+from kvhandoff.machines.ec_cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec_copy_batch import COPY_BATCH_KIND
+
+
+def _transient(side: ECSide) -> int:
+    """Lifecycles that end by themselves (timeouts, completions) once traffic stops."""
+    sched = side.scheduler
+    live = sum(sched.bus.live(kind) for kind in sched.bus.kinds() if kind != ENTRY_KIND)
+    live += sum(inst.state != "ready" for inst in sched.cache.entries())
+    return live + side.worker.bus.live(COPY_BATCH_KIND) + side.reads_in_flight()
+
+
+def settled(side: ECSide) -> bool:
+    """Nothing in flight: no grant, read, request, unsaved entry, copy or READ."""
+    return _transient(side) == 0
+
+
+def audit(side: ECSide) -> dict[str, Any]:
+    """`leaked_blocks`, `live_lifecycles`, `pinned_grants` (all 0 when clean) and whether
+    the pool, the eviction order and the entries agree."""
+    sched = side.scheduler
+    cache = sched.cache
+    ready_blocks = sum(len(e.ctx.blocks) for e in cache.entries() if e.state == "ready")
+    try:
+        cache.check()
+        consistent = True
+    except AssertionError:
+        consistent = False
+    producer = sched.producer
+    return {
+        "leaked_blocks": cache.pool.num_blocks - cache.pool.free_count - ready_blocks,
+        "live_lifecycles": _transient(side),
+        "pinned_grants": 0 if producer is None else len(producer.grants()),
+        "cached_entries": sum(e.state == "ready" for e in cache.entries()),
+        "pool_consistent": consistent,
+    }
