@@ -119,17 +119,26 @@ class PushSide:
         self.wake = threading.Event()
         self.failed_transfers = 0
         self._rehandshaked: set[str] = set()  # WRITEs retried once after a re-handshake
+        # The main thread reaps expired leases (freeing their blocks) while the writer
+        # posts WRITEs from them. One lock orders the two: the main thread reads the
+        # writer's reports and reaps under it; the writer checks that the lease still
+        # stands, posts, and reports the post under it. So either the report of a posted
+        # WRITE suspends the lease before it can be reaped, or the WRITE of a reaped
+        # lease is never posted (D is told at once, B-06).
+        self._lease_lock = threading.Lock()
+        self._ended_leases: set[str] = set()  # ended, not yet seen by the writer
         self._register_main_handlers()
 
     # -- engine step (main thread) -------------------------------------------------------
 
     def get_finished(self) -> PushConnectorOutput:
         """The worker's get_finished, fed with what the writer left for the main thread."""
-        items: list[WriterItem] = []
-        while self.pending_completion_notifs:
-            items.append(self.pending_completion_notifs.popleft())
-        self._adopt_posted_transfers()
-        return self.worker.get_finished(items)
+        with self._lease_lock:
+            items: list[WriterItem] = []
+            while self.pending_completion_notifs:
+                items.append(self.pending_completion_notifs.popleft())
+            self._adopt_posted_transfers()
+            return self.worker.get_finished(items)
 
     def _register_main_handlers(self) -> None:
         bus = self.bus
@@ -144,11 +153,16 @@ class PushSide:
                 ReplayRead(e.request_id, e.source, e.block_ids)
             ),
         )
-        bus.handle(QueueEviction, lambda _i, e: self.evict_finished_inbox.append(e.request_id))
+        bus.handle(QueueEviction, lambda _i, e: self._lease_ended(e.request_id))
         bus.handle(WakeWriter, lambda _i, _e: self.wake.set())
         bus.handle(PollTransfer, self._poll_transfer)
         bus.handle(ReleaseTransfer, self._release_transfer)
         bus.handle(SendHeartbeat, self._send_heartbeat)
+
+    def _lease_ended(self, request_id: str) -> None:
+        """Main thread, under the lease lock (`get_finished`): no WRITE from it any more."""
+        self._ended_leases.add(request_id)
+        self.evict_finished_inbox.append(request_id)
 
     def _to_writer_reg(self, effect: EnqueueRegistration) -> None:
         self.reg_send_inbox.append(ReplayRegistration(effect.request_id, effect.registration))
@@ -217,7 +231,9 @@ class PushSide:
         while self.evict_finished_inbox:
             evicted = self.evict_finished_inbox.popleft()
             self._rehandshaked.discard(evicted)
-            writer.on_evict(evicted)
+            writer.on_evict(evicted)  # the writer forgets it: no later WRITE to check
+            with self._lease_lock:
+                self._ended_leases.discard(evicted)
             handled += 1
         while self.reg_send_inbox:
             op = self.reg_send_inbox.popleft()
@@ -297,7 +313,16 @@ class PushSide:
             self._peer_lost(engine_id)
 
     def _issue_write(self, effect: IssueWrite) -> None:
-        """R-P06: expand D's logical ids, WRITE into D's memory, completion notif to D."""
+        """R-P06: expand D's logical ids, WRITE into D's memory, completion notif to D;
+        only while the lease on the blocks stands (see `_lease_lock`)."""
+        with self._lease_lock:
+            if effect.request_id in self._ended_leases:
+                reason = "its lease ended before the WRITE was posted"
+                self._write_submit_failed(effect, KvHandoffError(reason))
+                return
+            self._post_write(effect)
+
+    def _post_write(self, effect: IssueWrite) -> None:
         reg = effect.registration
         peer = self.transport.peer(reg.decode_engine_id)
         try:

@@ -39,6 +39,7 @@ from kvhandoff.machines.push_p_lease import KIND as P_KIND
 from kvhandoff.machines.push_scheduler import (
     LocalEngine,
     PushConnectorMeta,
+    PushConnectorOutput,
     PushScheduler,
     register_push_machines,
 )
@@ -525,6 +526,39 @@ def test_R_P11_writer_drops_blocks_of_a_reaped_lease() -> None:
     w.run_for(1.0)
     assert w.ledger.clients[client].p == "freed"
     assert not writer_core.push_finished_blocks and not writer_core.self_polling
+    clean(w)
+
+
+def test_R_P11_B06_a_lease_reaped_between_match_and_post_is_never_written() -> None:
+    """Two threads race: P's writer matched the blocks with D's registration and is about
+    to post the WRITE when P's main thread reaps the expired lease and frees the blocks.
+    The post checks the lease under the lock the reaping holds: nothing is written from
+    freed blocks, and D is told at once (B-06) instead of waiting for its watchdog."""
+    w = world()
+    spy = Spy(w)
+    client = w.issue(2)
+    d_leg = hold(w, "decode")
+    w.run_for(1.0)  # P finished; its blocks wait on the writer for D's registration
+    side = w.prefill.side
+    take_effects = side.writer.take_effects
+    reaped: list[set[str]] = []
+
+    def main_thread_reaps_in_between() -> list[object]:
+        effects = take_effects()
+        if any(isinstance(e, IssueWrite) for e in effects):
+            w.advance(w.settings.push.kv_lease_duration + 1)
+            reaped.append(side.get_finished().finished_sending)
+            w.prefill._account_prefill(PushConnectorOutput(finished_sending=reaped[-1]))
+        return effects
+
+    side.writer.take_effects = main_thread_reaps_in_between  # type: ignore[method-assign]
+    release(w, "decode", d_leg)
+    w.run_for(1.0)  # matches, reaps in between, declines the post
+    w.run_for(1.0)  # D reads the WRITE-failed notif
+    assert reaped and reaped[0], "the lease was reaped between the match and the post"
+    assert spy.writes == [], "no WRITE from blocks whose lease had ended"
+    assert w.ledger.clients[client].d == "failed", "D was told (B-06), not left waiting"
+    assert side.failed_transfers == 1
     clean(w)
 
 
