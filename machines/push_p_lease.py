@@ -8,7 +8,9 @@ One instance per prefill request, keyed by P's request id, on P's main-thread bu
   and was replayed (R-P05); the WRITE was posted or failed to post (R-P06, R-P12). A
   failed handshake is logged as `push_handshake_failed` and dropped, and a failed submit
   is counted; neither reports a failed receive: the lease reclaims the blocks (R-P12).
-- D's heartbeats extend the lease to max(deadline, now + `kv_lease_extension`) (R-P08).
+- D's heartbeats extend the lease to max(deadline, now + `kv_lease_extension`) (R-P08),
+  except after a failed handshake or WRITE: nothing will use the blocks any more, so the
+  lease runs out at its deadline instead of living on until D's watchdog.
 - While the WRITE is in flight the lease is suspended (freeing blocks under a DMA would
   corrupt D) and a write timeout guards it instead; get_finished polls the transfer.
 - A finished WRITE, or an expired lease (reaped in deadline order, B-07), reports
@@ -85,14 +87,10 @@ def reap(inst: Any, payload: Any) -> list[object]:
     return [FinishedSending(inst.key), QueueEviction(inst.key), Metric("push.p.lease_expired")]
 
 
-_LEASED = [
-    "finished",
-    "staged",
-    "matched",
-    "awaiting_handshake",
-    "handshake_failed",
-    "write_failed",
-]
+_LEASED = ["finished", "staged", "matched", "awaiting_handshake"]
+# After a failed handshake or WRITE nothing is retried (R-P12): the blocks wait only for
+# the lease to reclaim them, so D's heartbeats no longer extend it.
+_GIVEN_UP = ["handshake_failed", "write_failed"]
 
 P_LEASE = Declaration(
     name=KIND,
@@ -139,7 +137,11 @@ P_LEASE = Declaration(
         {"trigger": "heartbeat", "source": _LEASED, "dest": None, "after": "extend_lease"},
         {"trigger": "finished_sending", "source": "reported", "dest": "sent"},
     ],
-    ignore=[("writing", "heartbeat"), ("reported", "heartbeat")],
+    ignore=[
+        ("writing", "heartbeat"),
+        ("reported", "heartbeat"),
+        *((state, "heartbeat") for state in _GIVEN_UP),
+    ],
     callbacks={
         "stage": stage,
         "extend_lease": extend_lease,

@@ -422,6 +422,28 @@ def test_R_P08_heartbeat_extends_the_lease_to_max_of_old_and_now_plus_extension(
     assert p.bus.deadline_of(P_KIND, rid) == 35.0  # 15 + 20
 
 
+@pytest.mark.parametrize(
+    "failure", [("handshake_started", "handshake_failed"), ("write_submit_failed",)]
+)
+def test_R_P08_R_P12_heartbeats_no_longer_extend_a_lease_whose_push_failed(
+    failure: tuple[str, ...],
+) -> None:
+    """Nothing retries a failed handshake or WRITE, so D's heartbeats (sent until D's
+    own watchdog gives up) must not keep the dead request's blocks from the pool."""
+    p = MainSide("prefill")
+    rid = "cmpl-8-2-0a0a0a0a"
+    p.sched.request_finished(rid, [1], {"do_remote_decode": True})
+    p.worker.start_load_kv(p.sched.build_connector_meta())
+    p.worker.get_finished([ReportToMain(rid, event) for event in ("matched", *failure)])
+    assert p.state(P_KIND, rid) in ("handshake_failed", "write_failed")
+    beat = ForwardToMain(HeartbeatNotif(("cmpl-8-2-dddddddd",)), "d-agent")
+    p.clock.advance(15.0)
+    p.worker.get_finished([beat])
+    assert p.bus.deadline_of(P_KIND, rid) == 30.0, "15 + 20 would have extended a live one"
+    p.clock.advance(16.0)
+    assert p.worker.get_finished([beat]).finished_sending == {rid}, "reaped at its deadline"
+
+
 # -- R-P09 completion accounting -----------------------------------------------------------
 
 
