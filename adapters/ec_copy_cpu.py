@@ -4,11 +4,18 @@ encoder outputs held in CPU tensors and the `/dev/shm` region. The demo and CI u
 `CpuCopyEngine` implements `ec_copy_engine.CopyEngine` over a `[num_blocks,
 block_size_bytes]` uint8 view of the flat region tensor:
 
-- a save gathers every item's token rows (each encoder output viewed as raw bytes,
-  `[num_tokens, block_size_bytes]`) into one tensor and writes them with one
-  `index_copy_` into the region rows named by the items' blocks;
-- a load reads every item's blocks with one `index_select` and copies each item's slice
-  into its encoder-cache tensor (one copy per encoding, never one per block).
+- a save writes each item's token rows (its encoder output viewed as raw bytes,
+  `[num_tokens, block_size_bytes]`) into the region rows named by its blocks with one
+  `index_copy_`;
+- a load reads each item's blocks straight into its encoder-cache tensor with one
+  `index_select(..., out=)` (no staging tensor, no per-block call);
+- both view the rows as 8-byte words where the row size and the addresses allow (torch's
+  CPU indexing kernels move one element at a time, so wider elements are fewer steps);
+- an item whose blocks form long runs of consecutive ids (on average at least
+  `run_min_blocks`) is copied with one slice copy per run instead (a plain memcpy).
+
+Every item of a batch is checked (tensor, shape, block ids) before any byte is written,
+so a failed batch writes nothing.
 
 The copy runs on the caller's thread inside `submit`; its end event is reported by the
 next `poll()` as `(batch_id, ok)`. An optional `release(batch_id, direction, items)`
@@ -25,7 +32,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvhandoff.machines.ec_meta import CopyDirection, CopyItem
@@ -73,6 +82,7 @@ class CpuCopyEngine:
         block_size_bytes: int,
         *,
         release: ReleasePredicate | None = None,
+        run_min_blocks: int = 64,
     ) -> None:
         if region.device.type != "cpu" or region.dtype != torch.uint8 or region.dim() != 1:
             raise LocalProtocolError("the region must be a flat CPU uint8 tensor")
@@ -85,9 +95,11 @@ class CpuCopyEngine:
         self.block_size_bytes = block_size_bytes
         self.num_blocks = region.numel() // block_size_bytes
         self.release = release
+        self.run_min_blocks = max(1, run_min_blocks)
         self._rows: torch.Tensor | None = region[: self.num_blocks * block_size_bytes].view(
             self.num_blocks, block_size_bytes
         )
+        self._words: dict[torch.dtype, torch.Tensor] = {}
         self._pending: list[_Landed] = []
         self.failed_batches = 0
 
@@ -110,7 +122,15 @@ class CpuCopyEngine:
                 self._load(batch, encoder_cache)
             else:
                 raise LocalProtocolError(f"unknown copy direction {direction!r}")
-        except (LocalProtocolError, KeyError, IndexError, RuntimeError, ValueError) as exc:
+        except (
+            LocalProtocolError,
+            KeyError,
+            IndexError,
+            RuntimeError,
+            ValueError,
+            TypeError,
+            OverflowError,
+        ) as exc:
             ok = False
             self.failed_batches += 1
             log.warning("%s batch %s failed: %s", direction, batch_id, exc)
@@ -142,6 +162,7 @@ class CpuCopyEngine:
     def close(self) -> None:
         """Drop the region view (so the mapping can be closed). Idempotent."""
         self._rows = None
+        self._words.clear()
         self._pending.clear()
 
     # -- the copies ----------------------------------------------------------------------
@@ -161,30 +182,71 @@ class CpuCopyEngine:
             )
         return rows[:n]
 
-    def _index(self, items: tuple[CopyItem, ...]) -> torch.Tensor:
-        ids = [block for item in items for block in item.blocks[: item.num_tokens]]
-        index = torch.tensor(ids, dtype=torch.long)
-        if ids and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
+    def _blocks_of(self, item: CopyItem) -> np.ndarray[Any, Any]:
+        n = item.num_tokens
+        ids = np.asarray(item.blocks if len(item.blocks) == n else item.blocks[:n], np.int64)
+        if ids.size and int(ids.view(np.uint64).max()) >= self.num_blocks:  # negatives wrap
             raise LocalProtocolError(f"a block id lies outside the region of {self.num_blocks}")
-        return index
+        return ids
+
+    def _plan(
+        self, items: tuple[CopyItem, ...], cache: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, np.ndarray[Any, Any]]]:
+        """Every item's rows and block ids, all checked before any byte moves."""
+        return [(self._rows_of(item, cache[item.mm_hash]), self._blocks_of(item)) for item in items]
+
+    def _runs(self, ids: np.ndarray[Any, Any]) -> list[tuple[int, int, int]] | None:
+        """`(offset, first block, length)` per run when the runs are long, else None."""
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        if (breaks.size + 1) * self.run_min_blocks > ids.size:
+            return None
+        bounds = [0, *breaks.tolist(), int(ids.size)]
+        firsts = ids[bounds[:-1]].tolist()
+        return [(a, f, b - a) for a, b, f in zip(bounds[:-1], bounds[1:], firsts, strict=True)]
 
     def _save(self, items: tuple[CopyItem, ...], cache: Mapping[str, torch.Tensor]) -> None:
-        if not items:
-            return
         region = self._region_rows()
-        sources = [self._rows_of(item, cache[item.mm_hash]) for item in items]
-        index = self._index(items)
-        data = sources[0] if len(sources) == 1 else torch.cat(sources)
-        region.index_copy_(0, index, data)
+        for rows, ids in self._plan(items, cache):
+            runs = self._runs(ids)
+            if runs is None:
+                word = _word_dtype(self.block_size_bytes, rows.data_ptr(), region.data_ptr())
+                _scatter_rows(self._region_words(word), ids, rows.view(word))
+                continue
+            for offset, first, length in runs:
+                region[first : first + length].copy_(rows[offset : offset + length])
 
     def _load(self, items: tuple[CopyItem, ...], cache: Mapping[str, torch.Tensor]) -> None:
-        if not items:
-            return
         region = self._region_rows()
-        targets = [self._rows_of(item, cache[item.mm_hash]) for item in items]
-        gathered = region.index_select(0, self._index(items))
-        start = 0
-        for target in targets:
-            stop = start + target.shape[0]
-            target.copy_(gathered[start:stop])
-            start = stop
+        for rows, ids in self._plan(items, cache):
+            runs = self._runs(ids)
+            if runs is None:
+                word = _word_dtype(self.block_size_bytes, rows.data_ptr(), region.data_ptr())
+                _gather_rows(self._region_words(word), ids, rows.view(word))
+                continue
+            for offset, first, length in runs:
+                rows[offset : offset + length].copy_(region[first : first + length])
+
+    def _region_words(self, word: torch.dtype) -> torch.Tensor:
+        view = self._words.get(word)
+        if view is None:
+            view = self._region_rows().view(word)
+            self._words[word] = view
+        return view
+
+
+def _word_dtype(block_size: int, *ptrs: int) -> torch.dtype:
+    """The widest word (8, 4, 2 or 1 bytes) dividing the row size and aligning each address."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if block_size % size == 0 and all(p % size == 0 for p in ptrs):
+            return dtype
+    return torch.uint8
+
+
+def _scatter_rows(region: torch.Tensor, ids: np.ndarray[Any, Any], rows: torch.Tensor) -> None:
+    """`region[ids[k]] = rows[k]` for every k: one `index_copy_`."""
+    region.index_copy_(0, torch.from_numpy(ids), rows)
+
+
+def _gather_rows(region: torch.Tensor, ids: np.ndarray[Any, Any], rows: torch.Tensor) -> None:
+    """`rows[k] = region[ids[k]]` for every k: one `index_select` into `rows`."""
+    torch.index_select(region, 0, torch.from_numpy(ids), out=rows)

@@ -3,11 +3,14 @@
 # Run from the repository root with kvhandoff importable by python3 (torch + numpy only) and
 # OUT naming a folder for the results:
 #   1. the CUDA copy-engine tests and the CPU bench test (bytes verified);
-#   2. `kvhandoff bench ec --json --device cuda` (headline: auto, plus kernel and runs);
+#   2. `kvhandoff bench ec --json --device cuda` (headline: auto, plus row_kernel, kernel, runs);
 #   3. the batched-memcpy method, in its own process (a ctypes call into libcudart);
-#   4. batch sizes (auto, kernel, runs): SIZES, default 1,024 / 4,096 / 32,768 blocks;
+#   4. batch sizes (auto, row_kernel, kernel, runs): SIZES, default 1,024 / 4,096 / 32,768 blocks;
 #   5. bench/ec_kernel_probe.py: device-side throughput of each copy primitive (SKIP_PROBE=1);
-#   6. `kvhandoff bench ec --json` (the CPU copy path, same machine); SKIP_CPU=1 skips it.
+#   6. `kvhandoff bench ec --json` (the CPU copy path, same machine); SKIP_CPU=1 skips it;
+#   7. bench/ec_overhead_probe.py: where a small batch's host time goes, and the engine
+#      against an earlier one in the same process (OLD=path/to/ec_copy_cuda.py, e.g. from
+#      `git show <commit>:adapters/ec_copy_cuda.py`); SKIP_OVERHEAD=1 skips it.
 # Each step has its own time limit so that one stuck step cannot eat the others' time.
 set -u
 OUT=${OUT:-/tmp/kvhandoff-ec}
@@ -38,7 +41,7 @@ echo "== 3. batch_memcpy"
 bench ec_batch 60 -m kvhandoff.bench_ec --device cuda --method batch_memcpy --sweep "" --json
 echo "== 4. sizes"
 for n in ${SIZES:-1024 4096 32768}; do
-  bench "ec_cuda_$n" 90 -m kvhandoff.bench_ec --device cuda --blocks "$n" --sweep "kernel,runs" --json
+  bench "ec_cuda_$n" 90 -m kvhandoff.bench_ec --device cuda --blocks "$n" --json
 done
 if [ -z "${SKIP_PROBE:-}" ]; then
   echo "== 5. kernel probe"
@@ -48,4 +51,9 @@ fi
 if [ -z "${SKIP_CPU:-}" ]; then
   echo "== 6. bench ec --device cpu"
   bench ec_cpu "${T_CPU:-150}" -m kvhandoff bench ec --json
+fi
+if [ -z "${SKIP_OVERHEAD:-}" ]; then
+  echo "== 7. overhead probe"
+  timeout 150 python3 bench/ec_overhead_probe.py --out "$OUT/ec_overhead.json" --skip device,cpu \
+    ${OLD:+--old "$OLD"} --reps 30 2>&1 | grep -v '^$' | grep -v contiguous
 fi

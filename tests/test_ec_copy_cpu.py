@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kvhandoff.adapters import ec_copy_cpu
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine, as_rows
 from kvhandoff.adapters.shm_region import SharedRegion
 from kvhandoff.machines.ec_connector import ECCPUConnector
@@ -52,29 +54,65 @@ def test_R_E05_save_then_load_round_trips_a_batch(region: torch.Tensor) -> None:
     assert same_bytes(out["a"], cache["a"]) and same_bytes(out["b"], cache["b"])
 
 
-def test_R_E05_a_batch_is_one_gather_and_one_scatter_not_one_call_per_block(
+def test_R_E05_a_batch_is_one_copy_call_per_encoding_not_one_per_block(
     region: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = CpuCopyEngine(region, BLOCK)
-    calls = {"index_copy_": 0, "index_select": 0}
-    real_copy, real_select = torch.Tensor.index_copy_, torch.Tensor.index_select
+    calls = {"scatter": 0, "gather": 0}
+    real_scatter, real_gather = ec_copy_cpu._scatter_rows, ec_copy_cpu._gather_rows
 
-    def count_copy(self: torch.Tensor, *args: object) -> torch.Tensor:
-        calls["index_copy_"] += 1
-        return real_copy(self, *args)  # type: ignore[arg-type]
+    def count_scatter(*args: Any) -> None:
+        calls["scatter"] += 1
+        real_scatter(*args)
 
-    def count_select(self: torch.Tensor, *args: object) -> torch.Tensor:
-        calls["index_select"] += 1
-        return real_select(self, *args)  # type: ignore[arg-type]
+    def count_gather(*args: Any) -> None:
+        calls["gather"] += 1
+        real_gather(*args)
 
-    monkeypatch.setattr(torch.Tensor, "index_copy_", count_copy)
-    monkeypatch.setattr(torch.Tensor, "index_select", count_select)
+    monkeypatch.setattr(ec_copy_cpu, "_scatter_rows", count_scatter)
+    monkeypatch.setattr(ec_copy_cpu, "_gather_rows", count_gather)
+
+    def no_copy(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("a per-block (or per-run) copy_ call")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", no_copy)
     cache = {f"h{i}": encoder_output(4, i) for i in range(6)}
     items = [CopyItem(f"h{i}", tuple(range(4 * i, 4 * i + 4)), 4) for i in range(6)]
+    out = {k: torch.empty_like(v) for k, v in cache.items()}
     engine.submit(1, "save", items, cache)
-    engine.submit(2, "load", items, {k: torch.empty_like(v) for k, v in cache.items()})
-    assert calls == {"index_copy_": 1, "index_select": 1}
+    engine.submit(2, "load", items, out)
+    monkeypatch.undo()
+    assert calls == {"scatter": 6, "gather": 6}, "one call per encoding of 4 blocks"
     assert engine.poll() == [(1, True), (2, True)]
+    assert all(same_bytes(out[k], cache[k]) for k in cache)
+
+
+def test_R_E05_long_runs_are_slice_copies_and_words_follow_alignment() -> None:
+    # 8-byte rows: contiguous items take the run path, scattered ones the row scatter and
+    # an int64 gather; a 6-byte row size falls back to 2-byte words.
+    for block in (8, 6):
+        region = torch.zeros(256 * block, dtype=torch.uint8)
+        engine = CpuCopyEngine(region, block, run_min_blocks=4)
+        gen = torch.Generator().manual_seed(block)
+        cache = {
+            name: torch.randint(0, 256, (tokens, block), dtype=torch.uint8, generator=gen)
+            for name, tokens in (("run", 64), ("two_runs", 40), ("scattered", 30))
+        }
+        perm = torch.randperm(100, generator=gen).tolist()
+        items = [
+            CopyItem("run", tuple(range(100, 164)), 64),
+            CopyItem("two_runs", (*range(200, 220), *range(170, 190)), 40),
+            CopyItem("scattered", tuple(perm[:30]), 30),
+        ]
+        engine.submit(1, "save", items, cache)
+        assert engine.poll() == [(1, True)]
+        rows = region.view(-1, block)
+        for item in items:
+            assert torch.equal(rows[list(item.blocks)], cache[item.mm_hash])
+        out = {k: torch.zeros_like(v) for k, v in cache.items()}
+        engine.submit(2, "load", items, out)
+        assert engine.poll() == [(2, True)]
+        assert all(torch.equal(out[k], cache[k]) for k in cache)
 
 
 def test_R_E05_fewer_tokens_than_blocks_copies_only_the_tokens(region: torch.Tensor) -> None:

@@ -80,7 +80,8 @@ def _bytes(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8).view(-1, block_size).cpu()
 
 
-METHODS = ["auto", "kernel", "runs", "per_block", "batch_memcpy"]
+METHODS = ["auto", "row_kernel", "kernel", "runs", "per_block", "batch_memcpy"]
+OPTIONAL = {"batch_memcpy", "row_kernel"}  # skipped, with the reason, where unavailable
 # (dtype, hidden): 8 KiB rows (16-byte words), 8200-byte rows (8-byte words), 6-byte rows.
 ROWS = [(torch.bfloat16, 4096), (torch.float32, 2050), (torch.float16, 3)]
 
@@ -96,10 +97,11 @@ def test_R_E05_cuda_save_then_load_round_trips_bytes(
     host = region.as_tensor()
     rows = host[: NUM_BLOCKS * block_size].view(NUM_BLOCKS, block_size)
     try:
-        engine = CudaCopyEngine(host, block_size, method=method)  # type: ignore[arg-type]
+        # first_rows=3: the first encoding is split over two groups (3 + 2 rows).
+        engine = CudaCopyEngine(host, block_size, method=method, first_rows=3)  # type: ignore[arg-type]
     except Exception as exc:  # an optional method this machine may lack
-        if method == "batch_memcpy":
-            pytest.skip(f"batch memcpy unavailable here: {exc}")
+        if method in OPTIONAL:
+            pytest.skip(f"{method} unavailable here: {exc}")
         raise
     try:
         layout = _layout(contiguous)
@@ -132,6 +134,140 @@ def test_R_E05_cuda_save_then_load_round_trips_bytes(
             got = _bytes(cache[item.mm_hash], block_size)
             assert torch.equal(got, expected), f"{method}: load of {item.mm_hash} differs"
         assert engine.in_flight() == 0
+    finally:
+        engine.close()
+        del rows, host
+
+
+def _round_trip(
+    engine: CudaCopyEngine,
+    rows: torch.Tensor,
+    items: list[CopyItem],
+    cache: dict[str, torch.Tensor],
+    batch_id: int,
+) -> None:
+    """Save `items` from `cache`, then load them back into poisoned tensors; bytes checked."""
+    block_size = rows.shape[1]
+    rows.zero_()
+    engine.submit(batch_id, "save", items, cache)
+    assert _wait(engine, batch_id) is True
+    for item in items:
+        expected = _bytes(cache[item.mm_hash][: item.num_tokens], block_size)
+        assert torch.equal(rows[torch.tensor(item.blocks[: item.num_tokens])], expected)
+    pattern = torch.randint(0, 256, tuple(rows.shape), dtype=torch.uint8)
+    rows.copy_(pattern)
+    for tensor in cache.values():
+        tensor.view(torch.uint8).fill_(0xA5)
+    engine.submit(batch_id + 1, "load", items, cache)
+    assert _wait(engine, batch_id + 1) is True
+    for item in items:
+        got = _bytes(cache[item.mm_hash][: item.num_tokens], block_size)
+        assert torch.equal(got, pattern[torch.tensor(item.blocks[: item.num_tokens])])
+
+
+def test_R_E05_cuda_auto_mixes_dma_runs_and_row_kernel_spans_in_one_group(
+    region_of: MakeRegion,
+) -> None:
+    # One group (group_rows is large) of scattered, contiguous, scattered, offset (8-byte
+    # aligned rows) and contiguous items: row-kernel spans are cut by the DMA items, and
+    # the word size follows the least aligned row address of a span.
+    block_size = 8192
+    region = region_of(block_size)
+    host = region.as_tensor()
+    rows = host[: NUM_BLOCKS * block_size].view(NUM_BLOCKS, block_size)
+    engine = CudaCopyEngine(host, block_size, dma_min_run_blocks=4, group_rows=10_000)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        scattered = torch.randperm(48, generator=gen).tolist()
+        items = [
+            CopyItem("s1", tuple(scattered[:10]), 10),
+            CopyItem("c1", tuple(range(50, 62)), 12),
+            CopyItem("s2", tuple(scattered[10:30]), 20),
+            CopyItem("odd", (*scattered[30:36], 90, 91), 6),  # 8 blocks, 6 tokens
+            CopyItem("c2", tuple(range(70, 78)), 8),
+        ]
+        cache = {
+            item.mm_hash: torch.empty(
+                (item.num_tokens, block_size), dtype=torch.uint8, device="cuda"
+            )
+            for item in items
+        }
+        backing = torch.empty(6 * block_size + 8, dtype=torch.uint8, device="cuda")
+        cache["odd"] = backing[8:].view(6, block_size)  # rows aligned to 8 bytes only
+        for tensor in cache.values():
+            tensor.copy_(torch.randint(0, 256, tuple(tensor.shape), dtype=torch.uint8))
+        _round_trip(engine, rows, items, cache, 1)
+        _round_trip(engine, rows, [items[1], items[0], *items[2:]], cache, 3)  # c1 first
+    finally:
+        engine.close()
+        del rows, host
+
+
+def test_R_E05_cuda_strided_saves_and_failures_after_the_first_group(
+    region_of: MakeRegion,
+) -> None:
+    block_size = 8192
+    region = region_of(block_size)
+    host = region.as_tensor()
+    rows = host[: NUM_BLOCKS * block_size].view(NUM_BLOCKS, block_size)
+    engine = CudaCopyEngine(host, block_size, first_rows=4)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+        wide = torch.randint(0, 256, (2, 12, 2 * block_size), dtype=torch.uint8, device="cuda")
+        strided = {"w0": wide[0, :, :block_size], "w1": wide[1, :, block_size:]}
+        dense = torch.randint(0, 256, (12, block_size), dtype=torch.uint8, device="cuda")
+        for batch_id, names in ((1, ("d", "w1")), (2, ("w0", "d"))):
+            cache = {"d": dense, **strided}
+            items = [
+                CopyItem(name, tuple(order[12 * i : 12 * i + 12]), 12)
+                for i, name in enumerate(names)
+            ]
+            rows.zero_()
+            engine.submit(batch_id, "save", items, cache)
+            assert _wait(engine, batch_id) is True
+            for item in items:
+                got = rows[torch.tensor(item.blocks)]
+                assert torch.equal(got, cache[item.mm_hash].cpu()), f"save of {item.mm_hash}"
+        # Failures once the first group is on the device (a missing tensor, a block
+        # outside the region): the batch is reported failed and the engine goes on.
+        cache = {"d": dense}
+        good = CopyItem("d", tuple(order[:12]), 12)
+        engine.submit(5, "save", [good, CopyItem("gone", tuple(order[12:24]), 12)], cache)
+        assert _wait(engine, 5) is False
+        engine.submit(6, "load", [good, CopyItem("d", (*order[12:23], NUM_BLOCKS), 12)], cache)
+        assert _wait(engine, 6) is False
+        _round_trip(engine, rows, [good], {"d": dense}, 7)
+    finally:
+        engine.close()
+        del rows, host
+
+
+@pytest.mark.parametrize("method", ["kernel", "row_kernel"])
+def test_R_E05_cuda_without_mapped_id_buffers_uploads_the_ids(
+    region_of: MakeRegion, method: str
+) -> None:
+    block_size = 8192
+    region = region_of(block_size)
+    host = region.as_tensor()
+    rows = host[: NUM_BLOCKS * block_size].view(NUM_BLOCKS, block_size)
+    if method == "row_kernel":
+        with pytest.raises(Exception, match="row kernel unavailable"):
+            CudaCopyEngine(host, block_size, method="row_kernel", mapped_ids=False)
+        assert not host.is_pinned(), "a failed start leaves the region unregistered"
+        return
+    engine = CudaCopyEngine(host, block_size, method="kernel", mapped_ids=False)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+        items = [CopyItem("a", tuple(order[:30]), 30), CopyItem("b", tuple(order[30:50]), 20)]
+        cache = {
+            item.mm_hash: torch.randint(
+                0, 256, (item.num_tokens, block_size), dtype=torch.uint8, device="cuda"
+            )
+            for item in items
+        }
+        _round_trip(engine, rows, items, cache, 1)
     finally:
         engine.close()
         del rows, host

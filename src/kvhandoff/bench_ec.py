@@ -74,7 +74,7 @@ class ECBenchConfig:
 
 
 def config_for(device: Device, quick: bool = False, blocks: int | None = None) -> ECBenchConfig:
-    sweep = ("kernel", "runs") if device == "cuda" else ("batched",)
+    sweep = ("row_kernel", "kernel", "runs") if device == "cuda" else ("batched",)
     config = ECBenchConfig(device=device, sweep=sweep)
     if quick:
         config = replace(config, blocks=1024, reps=3, warmup=1, per_block_reps=1)
