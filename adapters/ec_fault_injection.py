@@ -23,11 +23,11 @@ small `ec_cpu_bytes`) answer `NACK_MISSING` for real.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.adapters.fault_injection import Dice, parse_probabilities
+from kvhandoff.adapters.fault_injection import Dice, ProbabilityPlan
 from kvhandoff.adapters.zmq_control import ControlServer
 from kvhandoff.machines.compiled import Instance
 from kvhandoff.machines.ec_consumer_read import IssueRead
@@ -36,20 +36,12 @@ __all__ = ["ECFaultPlan", "ECFaults", "FaultyECSide"]
 
 
 @dataclass(frozen=True, slots=True)
-class ECFaultPlan:
+class ECFaultPlan(ProbabilityPlan):
     read_fail: float = 0.0
     req_drop: float = 0.0
     ack_drop: float = 0.0
     garble: float = 0.0
     slow_save: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> ECFaultPlan:
-        return cls(**parse_probabilities(text, [f.name for f in fields(cls)]))
-
-    @property
-    def any(self) -> bool:
-        return any(getattr(self, f.name) for f in fields(self))
 
 
 class ECFaults:

@@ -16,7 +16,7 @@ import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Self
 
 from kvhandoff.adapters.nixl_agent import NixlTransferError
 from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
@@ -24,19 +24,27 @@ from kvhandoff.adapters.push_transport import TransferHandle
 from kvhandoff.protocol.errors import LocalProtocolError
 
 
-@dataclass(frozen=True, slots=True)
-class FaultPlan:
-    write_fail: float = 0.0
-    notif_drop: float = 0.0
-    handshake_fail: float = 0.0
+class ProbabilityPlan:
+    """A frozen dataclass of fault probabilities, one field a fault, parsed from
+    `name=p,name=p` (the `--faults` syntax of the roles)."""
+
+    __slots__ = ()
 
     @classmethod
-    def parse(cls, text: str) -> FaultPlan:
-        return cls(**parse_probabilities(text, [f.name for f in fields(cls)]))
+    def parse(cls, text: str) -> Self:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        return cls(**parse_probabilities(text, names))
 
     @property
     def any(self) -> bool:
-        return any(getattr(self, f.name) for f in fields(self))
+        return any(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan(ProbabilityPlan):
+    write_fail: float = 0.0
+    notif_drop: float = 0.0
+    handshake_fail: float = 0.0
 
 
 def parse_probabilities(text: str, known: Sequence[str]) -> dict[str, float]:

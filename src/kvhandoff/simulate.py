@@ -78,11 +78,11 @@ def _push_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
     )
 
 
-def run_push_seed(seed: int, options: SimulateOptions) -> SeedResult:
-    result = _push_world(seed, options, record=False).run()
+def _seed_result(protocol: str, result: Any) -> SeedResult:
+    """A world's `SimRunResult` as the report's `SeedResult`."""
     return SeedResult(
-        "push",
-        seed,
+        protocol,
+        result.seed,
         result.requests,
         result.completed,
         result.failed_cleanly,
@@ -90,6 +90,10 @@ def run_push_seed(seed: int, options: SimulateOptions) -> SeedResult:
         result.hung,
         result.violations,
     )
+
+
+def run_push_seed(seed: int, options: SimulateOptions) -> SeedResult:
+    return _seed_result("push", _push_world(seed, options, record=False).run())
 
 
 def explain_push_seed(seed: int, options: SimulateOptions) -> list[str]:
@@ -124,17 +128,7 @@ def _ec_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
 
 
 def run_ec_seed(seed: int, options: SimulateOptions) -> SeedResult:
-    result = _ec_world(seed, options, record=False).run()
-    return SeedResult(
-        "ec",
-        seed,
-        result.requests,
-        result.completed,
-        result.failed_cleanly,
-        result.leaked,
-        result.hung,
-        result.violations,
-    )
+    return _seed_result("ec", _ec_world(seed, options, record=False).run())
 
 
 def explain_ec_seed(seed: int, options: SimulateOptions) -> list[str]:
