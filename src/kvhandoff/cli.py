@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     simulate = sub.add_parser(
-        "simulate", help="seeded fault schedules over the in-memory fabric (deterministic)"
+        "simulate", help="seeded fault schedules over the in-memory planes (deterministic)"
     )
     simulate.add_argument("what", nargs="?", default="all", choices=["push", "ec", "all"])
     simulate.add_argument("--seeds", type=int, default=200, help="runs per protocol")
