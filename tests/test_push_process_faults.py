@@ -95,6 +95,60 @@ def test_kill_prefill_after_registration_then_restart() -> None:
         assert child_summary(reborn)["finished_sending"] == 2
 
 
+def test_R_P10_B08_kill_prefill_mid_write_then_restart() -> None:
+    """kill -9 P while its WRITEs stream into D: P posts every request's WRITE at once and
+    is killed as the first completions land, so later WRITEs are in flight or unposted.
+    Every registration resolves: received with P's bytes, failed with a reason, or dropped
+    by its watchdog (R-P10); nothing stays pending, and a new P pushes again (B-08)."""
+    config = PushConfig(push_registration_timeout=3.0, heartbeat_interval=0.3)
+    n = 24
+    with LivePushInstance("decode", "decode-0", shape=SHAPE, config=config) as d:
+        doomed = child("prefill", "--seed", "21", "--requests", str(n), "--per-step", "100")
+        blocks = _register(d, _port_of(doomed), demo_requests(n, 21))
+        received: dict[str, bool] = {}
+        failed: dict[str, str] = {}
+
+        def step() -> None:
+            out = d.step()
+            for rid in out.finished_recving:
+                received[rid] = d.memory.verify(rid.rsplit("-", 1)[0], blocks[rid])
+            failed.update(out.failed_recving)
+
+        poll_until(lambda: (step(), len(received) >= 1)[1], 30, "the first WRITEs landed")
+        doomed.proc.kill()  # kill -9 P mid-stream
+        doomed.proc.wait()
+        metrics = d.side.bus.metrics
+
+        def resolved() -> bool:
+            step()
+            dropped = int(metrics.get("push.d.watchdog_expired", 0))
+            return len(received) + len(failed) + dropped == n
+
+        poll_until(resolved, 30, "every registration resolved by a completion or the watchdog")
+        dropped = int(metrics.get("push.d.watchdog_expired", 0))
+        print(f"kill -9 P mid-WRITE: {len(received)} received, {len(failed)} failed, ", end="")
+        print(f"{dropped} dropped by the watchdog")
+        assert all(received.values()), "every completed receive holds P's bytes"
+        assert set(received).isdisjoint(failed), "a receive ends once"
+        assert all(reason for reason in failed.values()), "every failure carries a reason"
+        assert all(d.side.bus.get(D_KIND, rid) is None for rid in blocks), "none left live"
+        assert not d.side.scheduler.has_pending_push_work()
+        assert d.writer.alive and d.writer.errors == 0
+
+        reborn = child("prefill", "--seed", "22", "--requests", "2")
+        fresh = _register(d, _port_of(reborn), demo_requests(2, 22))
+        again: dict[str, bool] = {}
+
+        def verified() -> bool:
+            out = d.step()
+            for rid in out.finished_recving:
+                again[rid] = d.memory.verify(rid.rsplit("-", 1)[0], fresh[rid])
+            return len(again) == 2
+
+        poll_until(verified, 30, "pushes from the restarted prefill")
+        assert all(again.values()), again
+
+
 def _port_of(proc: Any) -> int:
     return int(proc.ready["port"])
 
