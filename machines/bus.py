@@ -7,9 +7,12 @@ an event raised for an instance that is still handling one is queued on that ins
 and delivered after it; an error while draining one instance's queue is counted and
 reported, never thrown into another instance's handling.
 
-Timers live in one deadline heap on the injected clock; cancelled entries are dropped
-lazily and the heap is compacted when they outnumber the live ones. No thread per timer
-and no clock read inside a machine: `fire_due` delivers what is due, in deadline order.
+Timers live in one FIFO per timeout duration on the injected clock, which never goes
+backwards: deadlines armed with one duration are therefore already in order, so arming
+is an append (no heap), and `fire_due` merges the heads of the few queues to deliver
+what is due in deadline order. Cancelled entries are dropped lazily; the queues are
+compacted when they could hold more dead entries than live ones. No thread per timer and
+no clock read inside a machine.
 
 The bus is single-threaded: one thread owns it; other threads hand work over through
 the inboxes of the adapters.
@@ -17,7 +20,6 @@ the inboxes of the adapters.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 from collections import deque
@@ -40,7 +42,6 @@ EffectHandler = Callable[[Any, Any], None]
 ErrorHook = Callable[[Instance, str, BaseException], None]
 
 _MIN_COMPACT = 1024
-_heappush = heapq.heappush  # one global lookup on the hot path
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +65,8 @@ class EventBus:
         self.on_error: ErrorHook = _log_error
         self._machines: dict[str, CompiledMachine] = {}
         self._index: dict[str, dict[Any, Instance]] = {}
-        self._heap: list[list[Any]] = []
-        self._serials = itertools.count()  # ties between equal deadlines: creation order
+        self._timer_queues: dict[float, deque[list[Any]]] = {}  # by duration, in order
+        self._serials = itertools.count()
         self._compact_at = _MIN_COMPACT
         self._recorder: TransitionRecorder | None = None
         self._retire_hooks: list[Callable[[Instance], None]] = []
@@ -85,6 +86,9 @@ class EventBus:
             raise LocalProtocolError(f"machine {decl.name!r} is already registered")
         machine = CompiledMachine(decl, config)
         machine.set_fast_path(self._recorder is None)
+        for node in machine.nodes.values():
+            if node.timeout_seconds is not None:
+                node.timer_queue = self._timer_queue(node.timeout_seconds)
         self._machines[decl.name] = machine
         self._index[decl.name] = {}
         return machine
@@ -167,15 +171,14 @@ class EventBus:
         timer = inst.timer
         if timer is not None:
             timer[2] = False
-        seconds = dest.timeout_seconds
-        if seconds is None:
+        queue = dest.timer_queue
+        if queue is None:
             inst.timer = None
         else:
-            heap = self._heap
-            entry = [self.clock() + seconds, inst, True]
-            _heappush(heap, entry)
+            entry = [self.clock() + dest.timeout_seconds, inst, True]  # type: ignore[operator]
+            queue.append(entry)
             inst.timer = entry
-            if len(heap) > self._compact_at:
+            if len(queue) > self._compact_at:
                 self._compact()
 
     def _deliver(self, inst: Instance, event: str, payload: Any) -> None:
@@ -326,11 +329,18 @@ class EventBus:
 
     # -- timers --------------------------------------------------------------------------
 
+    def _timer_queue(self, seconds: float) -> deque[list[Any]]:
+        queue = self._timer_queues.get(seconds)
+        if queue is None:
+            queue = self._timer_queues[seconds] = deque()
+        return queue
+
     def _arm(self, inst: Instance, seconds: float) -> None:
+        queue = self._timer_queue(seconds)
         entry = [self.clock() + seconds, inst, True]
-        heapq.heappush(self._heap, entry)
+        queue.append(entry)
         inst.timer = entry
-        if len(self._heap) > self._compact_at:
+        if len(queue) > self._compact_at:
             self._compact()
 
     def _cancel(self, inst: Instance, timer: list[Any]) -> None:
@@ -338,10 +348,25 @@ class EventBus:
         inst.timer = None
 
     def _compact(self) -> None:
-        """Drop cancelled entries once they could outnumber the live ones."""
-        self._heap = [entry for entry in self._heap if entry[2]]
-        heapq.heapify(self._heap)
-        self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))
+        """Drop cancelled entries once they could outnumber the live ones (in place: the
+        nodes hold their queues)."""
+        longest = 0
+        for queue in self._timer_queues.values():
+            live = [entry for entry in queue if entry[2]]
+            queue.clear()
+            queue.extend(live)
+            longest = max(longest, len(live))
+        self._compact_at = max(_MIN_COMPACT, 2 * longest)
+
+    def _earliest(self) -> deque[list[Any]] | None:
+        """The queue whose head is the earliest live deadline (dead heads dropped)."""
+        best: deque[list[Any]] | None = None
+        for queue in self._timer_queues.values():
+            while queue and not queue[0][2]:
+                queue.popleft()
+            if queue and (best is None or queue[0][0] < best[0][0]):
+                best = queue
+        return best
 
     def deadline_of(self, kind: str, key: Any) -> float | None:
         inst = self._index[kind].get(key)
@@ -349,20 +374,18 @@ class EventBus:
 
     def next_deadline(self) -> float | None:
         """The earliest armed deadline, or None when no timer is armed."""
-        heap = self._heap
-        while heap and not heap[0][2]:
-            heapq.heappop(heap)
-        return float(heap[0][0]) if heap else None
+        queue = self._earliest()
+        return None if queue is None else float(queue[0][0])
 
     def fire_due(self, now: float | None = None) -> int:
         """Deliver every timeout whose deadline is at or before `now`, in deadline order."""
         now = self.clock() if now is None else now
-        heap = self._heap
         fired = 0
-        while heap and heap[0][0] <= now:
-            _deadline, inst, live = heapq.heappop(heap)
-            if not live:
-                continue
+        while True:
+            queue = self._earliest()
+            if queue is None or queue[0][0] > now:
+                break
+            _deadline, inst, _live = queue.popleft()
             inst.timer = None
             trigger = inst.node.timeout_trigger
             assert trigger is not None, "only nodes with a timeout arm timers"

@@ -7,6 +7,9 @@ from typing import Protocol
 
 
 class Clock(Protocol):
+    """Seconds as a float, never going backwards (the bus keeps its timers in per-duration
+    queues that rely on it): `time.monotonic`, or a `VirtualClock`."""
+
     def __call__(self) -> float: ...
 
 

@@ -20,7 +20,16 @@ from kvhandoff.protocol.errors import LocalProtocolError
 class Node:
     """A compiled state: its outgoing routes, ignored events and timeout."""
 
-    __slots__ = ("final", "ignored", "name", "on", "timeout", "timeout_seconds", "timeout_trigger")
+    __slots__ = (
+        "final",
+        "ignored",
+        "name",
+        "on",
+        "timeout",
+        "timeout_seconds",
+        "timeout_trigger",
+        "timer_queue",
+    )
 
     def __init__(self, name: str, final: bool) -> None:
         self.name = name
@@ -30,6 +39,8 @@ class Node:
         self.timeout: Timeout | None = None
         self.timeout_seconds: float | None = None
         self.timeout_trigger: str | None = None
+        # The bus's queue of timers of this duration (set when the machine is registered).
+        self.timer_queue: deque[list[Any]] | None = None
 
     def __repr__(self) -> str:
         return f"<Node {self.name}>"

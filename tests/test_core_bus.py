@@ -10,6 +10,7 @@ import pytest
 from kvhandoff.machines.bus import EventBus
 from kvhandoff.machines.clock import VirtualClock
 from kvhandoff.machines.compiled import Instance
+from kvhandoff.machines.effects import ExtendDeadline
 from kvhandoff.machines.recording import read_log, replay
 from kvhandoff.protocol.errors import LocalProtocolError
 
@@ -200,7 +201,7 @@ def test_core_recording_off_by_default_and_fast_path_restored() -> None:
     assert [r.plain for r in machine.routes] == plain_before
 
 
-def test_core_heap_compaction_keeps_live_timers() -> None:
+def test_core_timer_compaction_keeps_live_timers() -> None:
     bus, clock = make_bus()
     live: list[Instance] = []
     for key in range(5000):
@@ -210,7 +211,8 @@ def test_core_heap_compaction_keeps_live_timers() -> None:
             bus.dispatch(KIND, key, "write_done")
         else:
             live.append(inst)
-    assert len(bus._heap) < 3 * len(live) + 2048
+    queued = sum(len(queue) for queue in bus._timer_queues.values())
+    assert queued < 3 * len(live) + 2048, "cancelled timers are dropped, not kept forever"
     clock.advance(6.0)
     assert bus.fire_due() == len(live)
     assert all(inst.state == "expired" for inst in live)
@@ -245,3 +247,41 @@ def test_core_equal_timeout_spans_states() -> None:
     assert bus.deadline_of("t.span", 1) == 10.0, "the watchdog is not re-armed"
     bus.dispatch("t.span", 1, "next")
     assert bus.deadline_of("t.span", 1) == 106.0, "a different timeout is armed afresh"
+
+
+def test_core_timers_of_different_durations_fire_in_deadline_order() -> None:
+    """One queue per duration: `fire_due` merges their heads, so a short timeout armed
+    after a long one still fires first, and ExtendDeadline moves a timer between queues."""
+    from kvhandoff.machines.declaration import Declaration, Timeout
+
+    fired: list[str] = []
+    decl = Declaration(
+        name="t.durations",
+        states=[
+            "idle",
+            {"name": "long", "timeout": Timeout(10.0, "done", "timeout")},
+            {"name": "short", "timeout": Timeout(1.0, "done", "timeout")},
+            {"name": "done", "final": True},
+        ],
+        initial="idle",
+        transitions=[
+            {"trigger": "go_long", "source": "idle", "dest": "long"},
+            {"trigger": "go_short", "source": "idle", "dest": "short"},
+            {"trigger": "extend", "source": "short", "dest": None, "after": "extend"},
+        ],
+        callbacks={"extend": lambda inst, payload: [ExtendDeadline(payload)]},
+    )
+    clock = VirtualClock()
+    bus = EventBus(clock)
+    bus.register(decl)
+    bus.on_retire(lambda inst: fired.append(inst.key))
+    for key, event in (("a", "go_long"), ("b", "go_short"), ("c", "go_short")):
+        bus.create("t.durations", key)
+        bus.dispatch("t.durations", key, event)
+        clock.advance(0.1)
+    bus.dispatch("t.durations", "c", "extend", 20.0)  # c: now 20 s from t=0.3
+    assert bus.next_deadline() == pytest.approx(1.1)  # b (short, armed at 0.1)
+    clock.advance(100.0)
+    assert bus.fire_due() == 3
+    assert fired == ["b", "a", "c"], "deadline order: 1.1, 10.0, 20.3"
+    assert bus.next_deadline() is None
