@@ -148,7 +148,10 @@ class SimECPlane:
         self._link_last = {TO_PRODUCER: 0.0, TO_CONSUMER: 0.0}
         self._link_epoch = 0
         self.partitioned = False
-        self._held: list[Callable[[], None]] = []  # what waits for the heal
+        # What waits for the heal: messages (lost if the connection drops meanwhile) and
+        # READs (a DMA outlives a ZMQ reconnect).
+        self._held_messages: list[Callable[[], None]] = []
+        self._held_reads: list[Callable[[], None]] = []
         self.producer_blocks = producer_blocks
         self.consumer_blocks = consumer_blocks
         self.producer_role = producer_role
@@ -209,8 +212,12 @@ class SimECPlane:
         if config.is_producer:
             scheduler.register_nixl_agent(f"agent-{engine_id}", f"md-{engine_id}".encode(), 4096)
         bus = scheduler.bus
-        bus.handle(SendXferReq, lambda inst, e: self._send_req(engine, encode_xfer_req(e.req)))
-        bus.handle(SendXferDone, lambda inst, e: self._send_req(engine, encode_xfer_done(e.done)))
+        bus.handle(
+            SendXferReq, lambda inst, e: self._send_to_producer(engine, encode_xfer_req(e.req))
+        )
+        bus.handle(
+            SendXferDone, lambda inst, e: self._send_to_producer(engine, encode_xfer_done(e.done))
+        )
         bus.handle(SendXferAck, lambda inst, e: self._send_ack(engine, e))
         bus.handle(IssueRead, lambda inst, e: self._issue_read(engine, e))
         bus.handle(EncodingEvicted, lambda inst, e: engine.evicted.append(e))
@@ -251,14 +258,15 @@ class SimECPlane:
 
     # -- scheduling of simulated work ------------------------------------------------------
 
-    def _at(self, when: float, run: Callable[[], None]) -> None:
+    def at(self, when: float, run: Callable[[], None]) -> None:
+        """Run `run` when the clock reaches `when` (in order with the planes' own work)."""
         heapq.heappush(self._events, _Event(when, next(self._seq), run))
 
     def _delay(self, bounds: tuple[float, float]) -> float:
         return self.rng.uniform(*bounds)
 
     def in_flight(self) -> int:
-        return len(self._events) + len(self._held)
+        return len(self._events) + len(self._held_messages) + len(self._held_reads)
 
     def next_event(self) -> float | None:
         """The earliest time something happens by itself (work or a machine deadline)."""
@@ -297,7 +305,7 @@ class SimECPlane:
 
     # -- control plane -------------------------------------------------------------------
 
-    def _send_req(self, engine: Engine, data: bytes) -> None:
+    def _send_to_producer(self, engine: Engine, data: bytes) -> None:
         if engine is self.consumer and engine.alive:
             self._send(TO_PRODUCER, data, engine.identity)
 
@@ -333,14 +341,14 @@ class SimECPlane:
             if epoch != self._link_epoch:
                 return  # the connection it travelled on is gone
             if self.partitioned:
-                self._held.append(deliver)
+                self._held_messages.append(deliver)
                 return
             if link == TO_PRODUCER:
                 self._deliver_to_producer(identity, data)
             else:
                 self._deliver_to_consumer(data)
 
-        self._at(when, deliver)
+        self.at(when, deliver)
 
     def _send_ack(self, engine: Engine, effect: SendXferAck) -> None:
         if engine is not self.producer or not engine.alive:
@@ -397,7 +405,7 @@ class SimECPlane:
     def disconnect(self) -> None:
         """The link breaks: in-flight messages are lost and both ends are told."""
         self._link_epoch += 1
-        self._held = [run for run in self._held if getattr(run, "is_read", False)]
+        self._held_messages.clear()
         producer, consumer = self.producer, self.consumer
         if consumer.alive:
             consumer.scheduler.on_peer_disconnected(producer.host, producer.port)
@@ -410,9 +418,10 @@ class SimECPlane:
     def heal(self) -> None:
         """The link is back: what waited (messages, stalled READs) moves on, in order."""
         self.partitioned = False
-        held, self._held = self._held, []
+        held = self._held_messages + self._held_reads
+        self._held_messages, self._held_reads = [], []
         for run in held:
-            self._at(self.clock.now + self._delay(self.net_delay), run)
+            self.at(self.clock.now + self._delay(self.net_delay), run)
 
     # -- data plane ------------------------------------------------------------------------
 
@@ -442,15 +451,14 @@ class SimECPlane:
             if not engine.alive or engine is not self.consumer:
                 return  # the consumer died: the READ's completion has no one to tell
             if self.partitioned and producer.alive:
-                self._held.append(land)  # the DMA waits for the link
+                self._held_reads.append(land)  # the DMA waits for the link
                 return
             if fault == "fail" or not producer.alive or self.producer is not producer:
                 engine.scheduler.on_read_failed(read.mm_hash, read.transfer_id)
                 return
             self._land_read(engine, producer, read)
 
-        land.is_read = True  # type: ignore[attr-defined]
-        self._at(when, land)
+        self.at(when, land)
 
     def _land_read(self, consumer: Engine, producer: Engine, read: IssueRead) -> None:
         live = consumer.scheduler.bus.get(CONSUMER_READ_KIND, read.mm_hash)
@@ -503,7 +511,7 @@ class SimECPlane:
                         self.violation(f"{engine.name} load of {item.mm_hash} reads {tags}")
             engine.worker.on_copy_done(copy.batch_id)
 
-        self._at(when, land)
+        self.at(when, land)
 
     # -- one engine step ---------------------------------------------------------------
 

@@ -330,7 +330,7 @@ class SimulatedECWorld:
                     self._resolve(client, "lost", "consumer crashed")
         # The survivor's ZMQ heartbeat notices within its timeout.
         detect = self.rng.uniform(0.5, DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S)
-        self.plane._at(self.clock.now + detect, lambda: self._lost_peer(which, engine))
+        self.plane.at(self.clock.now + detect, lambda: self._lost_peer(which, engine))
 
     def _lost_peer(self, which: str, dead: Engine) -> None:
         plane = self.plane
@@ -351,15 +351,14 @@ class SimulatedECWorld:
     def partition(self, duration: float) -> None:
         self.note("PARTITION")
         self.plane.partition()
-        self.heal_at = self.clock.now + duration
-        epoch = self.heal_at
+        heal_at = self.heal_at = self.clock.now + duration
 
-        def heartbeat_lost() -> None:
-            if self.plane.partitioned and self.heal_at == epoch:
+        def heartbeat_lost() -> None:  # unless healed first (or a later partition's)
+            if self.plane.partitioned and self.heal_at == heal_at:
                 self.note("PARTITION costs the heartbeat: disconnect")
                 self.plane.disconnect()
 
-        self.plane._at(self.clock.now + DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S, heartbeat_lost)
+        self.plane.at(self.clock.now + DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S, heartbeat_lost)
 
     def heal(self) -> None:
         self.note("HEAL")

@@ -25,18 +25,9 @@ from typing import Any
 
 import torch
 
+from kvhandoff.adapters.cuda_runtime import DeviceArray
+
 _cuda: Any = torch.cuda
-
-
-class _DeviceArray:
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 2,
-        }
 
 
 def _time(fn: Callable[[], None], reps: int) -> float:
@@ -94,7 +85,7 @@ def main() -> int:
     region.fill_(0)
     cudart = _cuda.cudart()
     assert cudart.cudaHostRegister(region.data_ptr(), region.numel(), 3) == cudart.cudaError.success
-    mapped = torch.as_tensor(_DeviceArray(region.data_ptr(), region.numel()), device="cuda")
+    mapped = torch.as_tensor(DeviceArray(region.data_ptr(), region.numel()), device="cuda")
     rows_u8 = mapped.view(2 * n, bs)
     host_rows = region.view(2 * n, bs)
     dev = torch.randint(0, 256, (n, bs), dtype=torch.uint8, device="cuda")

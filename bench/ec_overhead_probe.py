@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhandoff.adapters.cuda_runtime import CudaRuntime, DeviceArray
 from kvhandoff.adapters.ec_copy_cuda import CudaCopyEngine
 from kvhandoff.adapters.shm_region import SharedRegion
 from kvhandoff.bench_ec import _measure, _Run, _Setup, config_for
@@ -130,8 +131,6 @@ def host_costs(region: torch.Tensor, bs: int) -> dict[str, float]:
     dev = torch.empty(1024, dtype=torch.int64, device="cuda")
     out["to_device_nonblocking_1024"] = _us(lambda: host.to("cuda", non_blocking=True))
     out["copy_nonblocking_1024"] = _us(lambda: dev.copy_(host, non_blocking=True))
-    from kvhandoff.adapters.cuda_runtime import CudaRuntime
-
     rt = CudaRuntime.find()
     if rt is not None:
         handle = stream.cuda_stream
@@ -149,7 +148,7 @@ def host_costs(region: torch.Tensor, bs: int) -> dict[str, float]:
     out["ids_fromiter_512"] = _us(lambda: np.fromiter(blocks, np.int64, 512))
     out["ids_max_check_1024"] = _us(lambda: int(ids.view(np.uint64).max()))
     out["ids_diff_breaks_1024"] = _us(lambda: np.flatnonzero(np.diff(ids) != 1))
-    mapped = torch.as_tensor(_dev_array(region.data_ptr(), region.numel()), device="cuda")
+    mapped = torch.as_tensor(DeviceArray(region.data_ptr(), region.numel()), device="cuda")
     rows = mapped[: (region.numel() // bs) * bs].view(-1, bs).view(torch.complex128)
     src = torch.empty((512, bs), dtype=torch.uint8, device="cuda").view(torch.complex128)
     index = dev[:512].copy_(torch.from_numpy(ids[:512].copy()))
@@ -161,33 +160,18 @@ def host_costs(region: torch.Tensor, bs: int) -> dict[str, float]:
     return out
 
 
-class _DevArray:
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 2,
-        }
-
-
-def _dev_array(ptr: int, nbytes: int) -> _DevArray:
-    return _DevArray(ptr, nbytes)
-
-
 def device_costs(region: torch.Tensor, bs: int, n: int) -> dict[str, float]:
     """CUDA-event µs of the primitives on `n` scattered rows (region already registered)."""
     blocks = region.numel() // bs
     host_rows = region[: blocks * bs].view(blocks, bs)
-    mapped = torch.as_tensor(_dev_array(region.data_ptr(), blocks * bs), device="cuda")
+    mapped = torch.as_tensor(DeviceArray(region.data_ptr(), blocks * bs), device="cuda")
     rows = mapped.view(blocks, bs).view(torch.complex128)
     dev = torch.randint(0, 256, (n, bs), dtype=torch.uint8, device="cuda")
     dev_w = dev.view(torch.complex128)
     perm = torch.randperm(blocks)[:n]
     index = perm.cuda()
     pinned_ids = perm.clone().pin_memory()
-    index_mapped = torch.as_tensor(_dev_array(pinned_ids.data_ptr(), n * 8), device="cuda").view(
+    index_mapped = torch.as_tensor(DeviceArray(pinned_ids.data_ptr(), n * 8), device="cuda").view(
         torch.int64
     )
     flat = host_rows[:n].view(-1)

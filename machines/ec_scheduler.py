@@ -350,37 +350,41 @@ class ECScheduler:
             raise LocalProtocolError("this scheduler is not a P2P producer (ec_enable_nixl)")
         return self.producer
 
+    def _consumer_now(self) -> P2PConsumer:
+        """The consumer half, its due timeouts fired."""
+        consumer = self._need_consumer()
+        self.poll()
+        return consumer
+
+    def _producer_now(self) -> P2PProducer:
+        """The producer half, its due timeouts (pin leases) fired."""
+        producer = self._need_producer()
+        self.poll()
+        return producer
+
     def on_xfer_ack(self, data: bytes, *, peer: str | None = None) -> None:
         """ZMQ: an `XferAck` arrived (raises `RemoteProtocolError` if bad, counted)."""
-        consumer = self._need_consumer()
-        self.poll()  # an ack arriving after its deadline finds the timeout already fired
-        consumer.on_xfer_ack(data, peer=peer)
+        self._consumer_now().on_xfer_ack(data, peer=peer)
 
     def on_read_done(self, mm_hash: str, transfer_id: str) -> None:
         """NIXL: the READ of `transfer_id` completed."""
-        consumer = self._need_consumer()
-        self.poll()
-        consumer.on_read_done(mm_hash, transfer_id)
+        self._consumer_now().on_read_done(mm_hash, transfer_id)
 
     def on_read_failed(self, mm_hash: str, transfer_id: str) -> None:
         """NIXL: the READ of `transfer_id` failed."""
-        consumer = self._need_consumer()
-        self.poll()
-        consumer.on_read_failed(mm_hash, transfer_id)
+        self._consumer_now().on_read_failed(mm_hash, transfer_id)
 
     def on_peer_disconnected(self, peer_host: str, peer_port: int) -> None:
         """ZMQ: the DEALER to producer `peer_host:peer_port` lost its peer."""
-        self._need_consumer().on_peer_disconnected(peer_host, peer_port)
+        self._consumer_now().on_peer_disconnected(peer_host, peer_port)
 
     def on_consumer_disconnected(self, peer: bytes | str) -> None:
         """ZMQ: consumer identity `peer` left the ROUTER (its grants keep their lease)."""
-        self._need_producer().on_peer_disconnected(peer)
+        self._producer_now().on_peer_disconnected(peer)
 
     def on_producer_message(self, peer: bytes | str, data: bytes) -> None:
         """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""
-        producer = self._need_producer()
-        self.poll()  # a lease that ran out while the message waited has ended first
-        producer.on_message(peer, data)
+        self._producer_now().on_message(peer, data)
 
     def register_nixl_agent(self, agent_name: str, agent_metadata: bytes, base_addr: int) -> None:
         """NIXL: the producer's agent registered the region at `base_addr`."""
