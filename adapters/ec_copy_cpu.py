@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhandoff.machines.ec_meta import CopyDirection, CopyItem
+from kvhandoff.machines.ec.meta import CopyDirection, CopyItem
 from kvhandoff.protocol.errors import LocalProtocolError
 
 __all__ = ["CpuCopyEngine", "ReleasePredicate", "as_rows"]

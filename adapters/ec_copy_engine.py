@@ -24,7 +24,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from kvhandoff.machines.ec_meta import CopyItem
+from kvhandoff.machines.ec.meta import CopyItem
 
 CopyDirection = Literal["save", "load"]
 

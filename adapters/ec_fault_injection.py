@@ -28,9 +28,9 @@ from typing import Any
 
 from kvhandoff.adapters.ec_side import ECSide
 from kvhandoff.adapters.fault_injection import Dice, ProbabilityPlan
-from kvhandoff.adapters.zmq_control import ControlServer
-from kvhandoff.machines.compiled import Instance
-from kvhandoff.machines.ec_consumer_read import IssueRead
+from kvhandoff.adapters.zmq.control import ControlServer
+from kvhandoff.machines.ec.consumer_read import IssueRead
+from kvhandoff.machines.runtime.compiled import Instance
 
 __all__ = ["ECFaultPlan", "ECFaults", "FaultyECSide"]
 

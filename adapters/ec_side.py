@@ -44,31 +44,31 @@ import zmq
 
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine
 from kvhandoff.adapters.ec_copy_engine import CopyEngine
-from kvhandoff.adapters.ec_nixl_reader import ECNixlReader
-from kvhandoff.adapters.nixl_agent import NixlAgent, NixlTransferError
-from kvhandoff.adapters.shm_region import (
+from kvhandoff.adapters.nixl.agent import NixlAgent, NixlTransferError
+from kvhandoff.adapters.nixl.ec_reader import ECNixlReader
+from kvhandoff.adapters.shm.region import (
     DEFAULT_PREFIX,
     SHM_DIR,
     SharedRegion,
     reap_stale_regions,
     region_name,
 )
-from kvhandoff.adapters.zmq_control import ControlClient, ControlServer, Heartbeat
-from kvhandoff.machines.clock import Clock, real_clock
-from kvhandoff.machines.compiled import Instance
-from kvhandoff.machines.ec_cache_entry import EncodingEvicted
-from kvhandoff.machines.ec_consumer_read import (
+from kvhandoff.adapters.zmq.control import ControlClient, ControlServer, Heartbeat
+from kvhandoff.machines.ec.cache_entry import EncodingEvicted
+from kvhandoff.machines.ec.consumer_read import (
     CONSUMER_READ_KIND,
     IssueRead,
     SendXferDone,
     SendXferReq,
 )
-from kvhandoff.machines.ec_copy_batch import CopyBlocks
-from kvhandoff.machines.ec_meta import ECFinished
-from kvhandoff.machines.ec_producer_grant import SendXferAck
-from kvhandoff.machines.ec_scheduler import ECScheduler
-from kvhandoff.machines.ec_worker import ECWorker
-from kvhandoff.machines.ec_worker_region import CloseRegion
+from kvhandoff.machines.ec.copy_batch import CopyBlocks
+from kvhandoff.machines.ec.meta import ECFinished
+from kvhandoff.machines.ec.producer_grant import SendXferAck
+from kvhandoff.machines.ec.scheduler import ECScheduler
+from kvhandoff.machines.ec.worker import ECWorker
+from kvhandoff.machines.ec.worker_region import CloseRegion
+from kvhandoff.machines.runtime.clock import Clock, real_clock
+from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import (
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_HOST_ENV_ALIAS,

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Self
 
-from kvhandoff.adapters.nixl_agent import NixlTransferError
-from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+from kvhandoff.adapters.nixl.agent import NixlTransferError
+from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_transport import TransferHandle
 from kvhandoff.protocol.errors import LocalProtocolError
 

@@ -23,9 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvhandoff.adapters.push_transport import PeerInfo, PushTransport, TransferHandle, peer_gone
-from kvhandoff.machines.bus import EventBus
-from kvhandoff.machines.clock import Clock, real_clock
-from kvhandoff.machines.push_effects import (
+from kvhandoff.machines.push.effects import (
     ArmSelfPoll,
     DisarmSelfPoll,
     DropRemoteAgent,
@@ -47,7 +45,7 @@ from kvhandoff.machines.push_effects import (
     StartHandshake,
     WakeWriter,
 )
-from kvhandoff.machines.push_scheduler import (
+from kvhandoff.machines.push.scheduler import (
     LocalEngine,
     Mode,
     PushConnectorOutput,
@@ -55,8 +53,10 @@ from kvhandoff.machines.push_scheduler import (
     Role,
     register_push_machines,
 )
-from kvhandoff.machines.push_worker import PushWorker, WriterItem
-from kvhandoff.machines.push_writer import PushWriter
+from kvhandoff.machines.push.worker import PushWorker, WriterItem
+from kvhandoff.machines.push.writer import PushWriter
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import Clock, real_clock
 from kvhandoff.protocol.blocks import check_within_capacity, expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.handshake import decode_handshake

@@ -6,11 +6,11 @@
 #   2. `kvhandoff bench ec --json --device cuda` (headline: auto, plus row_kernel, kernel, runs);
 #   3. the batched-memcpy method, in its own process (a ctypes call into libcudart);
 #   4. batch sizes (auto, row_kernel, kernel, runs): SIZES, default 1,024 / 4,096 / 32,768 blocks;
-#   5. bench/ec_kernel_probe.py: device-side throughput of each copy primitive (SKIP_PROBE=1);
+#   5. kvhandoff.bench.probes.ec_kernel: device-side throughput of each copy primitive (SKIP_PROBE=1);
 #   6. `kvhandoff bench ec --json` (the CPU copy path, same machine); SKIP_CPU=1 skips it;
-#   7. bench/ec_overhead_probe.py: where a small batch's host time goes, and the engine
+#   7. kvhandoff.bench.probes.ec_overhead: where a small batch's host time goes, and the engine
 #      against an earlier one in the same process (OLD=path/to/ec_copy_cuda.py, e.g. from
-#      `git show <commit>:adapters/ec_copy_cuda.py`); SKIP_OVERHEAD=1 skips it.
+#      `git show <commit>:adapters/cuda/ec_copy.py`); SKIP_OVERHEAD=1 skips it.
 # Each step has its own time limit so that one stuck step cannot eat the others' time.
 set -u
 OUT=${OUT:-/tmp/kvhandoff-ec}
@@ -38,14 +38,14 @@ timeout 60 python3 -m pytest -q -rs -p no:cacheprovider -k batch_memcpy \
 echo "== 2. bench ec --device cuda"
 bench ec_cuda 120 -m kvhandoff bench ec --json --device cuda
 echo "== 3. batch_memcpy"
-bench ec_batch 60 -m kvhandoff.bench_ec --device cuda --method batch_memcpy --sweep "" --json
+bench ec_batch 60 -m kvhandoff.bench.ec --device cuda --method batch_memcpy --sweep "" --json
 echo "== 4. sizes"
 for n in ${SIZES:-1024 4096 32768}; do
-  bench "ec_cuda_$n" 90 -m kvhandoff.bench_ec --device cuda --blocks "$n" --json
+  bench "ec_cuda_$n" 90 -m kvhandoff.bench.ec --device cuda --blocks "$n" --json
 done
 if [ -z "${SKIP_PROBE:-}" ]; then
   echo "== 5. kernel probe"
-  timeout 120 python3 bench/ec_kernel_probe.py --json >"$OUT/ec_probe.json" 2>&1
+  timeout 120 python3 -m kvhandoff.bench.probes.ec_kernel --json >"$OUT/ec_probe.json" 2>&1
   echo "rc=$?"; cat "$OUT/ec_probe.json"
 fi
 if [ -z "${SKIP_CPU:-}" ]; then
@@ -54,6 +54,6 @@ if [ -z "${SKIP_CPU:-}" ]; then
 fi
 if [ -z "${SKIP_OVERHEAD:-}" ]; then
   echo "== 7. overhead probe"
-  timeout 150 python3 bench/ec_overhead_probe.py --out "$OUT/ec_overhead.json" --skip device,cpu \
+  timeout 150 python3 -m kvhandoff.bench.probes.ec_overhead --out "$OUT/ec_overhead.json" --skip device,cpu \
     ${OLD:+--old "$OLD"} --reps 30 2>&1 | grep -v '^$' | grep -v contiguous
 fi

@@ -5,7 +5,7 @@
 #   1. the VRAM push test (bytes verified after a push into CUDA tensors);
 #   2. `kvhandoff bench push --json --device cuda` (the headline number);
 #   3. `kvhandoff bench push --json` (DRAM, the CPU copy path, same machine);
-#   4. bench/push_sweep.py on VRAM: which knobs move the ratio.
+#   4. kvhandoff.bench.probes.push_sweep on VRAM: which knobs move the ratio.
 # Each step has its own time limit (T_TEST, T_CUDA, T_CPU, T_SWEEP seconds; 0 skips the
 # step) so that one stuck step cannot eat the others' time; SWEEP_VARIANTS picks variants.
 set -u
@@ -28,6 +28,6 @@ echo "== 3. bench push --device cpu"
   >"$OUT/push_cpu.json" 2>"$OUT/push_cpu.err"
 echo "rc=$?"; tail -n 8 "$OUT/push_cpu.err"; tail -n 1 "$OUT/push_cpu.json"; echo
 echo "== 4. sweep on VRAM"
-[ "${T_SWEEP:-240}" = 0 ] || timeout "${T_SWEEP:-240}" python3 bench/push_sweep.py --device cuda --out "$OUT/push_sweep.jsonl" \
+[ "${T_SWEEP:-240}" = 0 ] || timeout "${T_SWEEP:-240}" python3 -m kvhandoff.bench.probes.push_sweep --device cuda --out "$OUT/push_sweep.jsonl" \
   ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} >"$OUT/push_sweep.log" 2>&1
 echo "rc=$?"; grep -v '^\[' "$OUT/push_sweep.log" | tail -n 20

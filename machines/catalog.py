@@ -6,18 +6,18 @@ make sure no declared machine goes untested.
 
 from __future__ import annotations
 
-from kvhandoff.machines.declaration import Declaration
-from kvhandoff.machines.ec_cache_entry import EC_CACHE_ENTRY
-from kvhandoff.machines.ec_consumer_read import EC_CONSUMER_READ
-from kvhandoff.machines.ec_copy_batch import EC_COPY_BATCH
-from kvhandoff.machines.ec_producer_grant import EC_PRODUCER_GRANT
-from kvhandoff.machines.ec_request import EC_REQUEST
-from kvhandoff.machines.ec_worker_region import EC_WORKER_REGION
-from kvhandoff.machines.pull_d_read import D_READ
-from kvhandoff.machines.pull_p_lease import PULL_P_LEASE
-from kvhandoff.machines.push_d_registration import D_REGISTRATION
-from kvhandoff.machines.push_handshake import HANDSHAKE
-from kvhandoff.machines.push_p_lease import P_LEASE
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
+from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
+from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
+from kvhandoff.machines.ec.request import EC_REQUEST
+from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION
+from kvhandoff.machines.pull.d_read import D_READ
+from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.handshake import HANDSHAKE
+from kvhandoff.machines.push.p_lease import P_LEASE
+from kvhandoff.machines.runtime.declaration import Declaration
 
 PUSH_DECLARATIONS: tuple[Declaration, ...] = (D_REGISTRATION, P_LEASE, HANDSHAKE)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhandoff.machines.declaration import Declaration, Timeout
-from kvhandoff.machines.effects import Emit, ExtendDeadline, Metric
+from kvhandoff.machines.runtime.declaration import Declaration, Timeout
+from kvhandoff.machines.runtime.effects import Emit, ExtendDeadline, Metric
 
 
 @dataclass(slots=True)

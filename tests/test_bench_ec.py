@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.bench_ec import BatchedCpuCopy, config_for, run_ec_bench
-from kvhandoff.machines.ec_meta import CopyItem
+from kvhandoff.bench.ec import BatchedCpuCopy, config_for, run_ec_bench
+from kvhandoff.machines.ec.meta import CopyItem
 
 PAIR_KEYS = {"framework_gbps", "baseline_gbps", "ratio"}
 
@@ -87,7 +87,7 @@ def test_R_E02_cuda_copy_engine_and_bench_import_no_p2p_stack(tmp_path: Path) ->
     # The copy engines are part of the local tier: torch and numpy only.
     code = (
         "import sys, json\n"
-        "import kvhandoff.adapters.ec_copy_cuda, kvhandoff.bench_ec\n"
+        "import kvhandoff.adapters.cuda.ec_copy, kvhandoff.bench.ec\n"
         "print(json.dumps(sorted(m for m in sys.modules\n"
         "    if m.split('.')[0].split('_')[0] in ('nixl', 'zmq', 'msgspec'))))\n"
     )

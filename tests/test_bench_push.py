@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvhandoff.bench_push import QUICK, run_push_bench
+from kvhandoff.bench.push import QUICK, run_push_bench
 
 pytestmark = pytest.mark.integration
 

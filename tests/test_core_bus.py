@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.machines.bus import EventBus
-from kvhandoff.machines.clock import VirtualClock
-from kvhandoff.machines.compiled import Instance
-from kvhandoff.machines.effects import ExtendDeadline
-from kvhandoff.machines.recording import read_log, replay
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.effects import ExtendDeadline
+from kvhandoff.machines.runtime.recording import read_log, replay
 from kvhandoff.protocol.errors import LocalProtocolError
 
 from core_example import LEASE, Released
@@ -220,7 +220,7 @@ def test_core_timer_compaction_keeps_live_timers() -> None:
 
 def test_core_equal_timeout_spans_states() -> None:
     """A transition between states declaring an equal Timeout keeps the armed deadline."""
-    from kvhandoff.machines.declaration import Declaration, Timeout
+    from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 
     watchdog = Timeout("ttl", "expired", "watchdog")
     decl = Declaration(
@@ -252,7 +252,7 @@ def test_core_equal_timeout_spans_states() -> None:
 def test_core_timers_of_different_durations_fire_in_deadline_order() -> None:
     """One queue per duration: `fire_due` merges their heads, so a short timeout armed
     after a long one still fires first, and ExtendDeadline moves a timer between queues."""
-    from kvhandoff.machines.declaration import Declaration, Timeout
+    from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 
     fired: list[str] = []
     decl = Declaration(

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.machines.declaration import Declaration, Timeout
+from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.protocol.errors import LocalProtocolError
 
 

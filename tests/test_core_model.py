@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvhandoff.machines.bus import EventBus
-from kvhandoff.machines.clock import VirtualClock
-from kvhandoff.machines.declaration import Declaration
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.testing import (
     TransitionCoverage,

@@ -11,18 +11,16 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.adapters.sim_ec_plane import BLOCK_BYTES, COMPAT, layout, transfer_config
-from kvhandoff.adapters.sim_ec_plane import SimECPlane as Sim
-from kvhandoff.machines.clock import VirtualClock
-from kvhandoff.machines.ec_cache_entry import EncodingEvicted
-from kvhandoff.machines.ec_connector import ECCPUConnector
-from kvhandoff.machines.ec_copy_batch import CopyBlocks
-from kvhandoff.machines.ec_meta import ECConnectorMeta, ECRequestInfo, ECWorkerMeta
-from kvhandoff.machines.ec_nixl_gate import NIXL_MISSING_MESSAGE
-from kvhandoff.machines.ec_producer_grant import SendXferAck
-from kvhandoff.machines.ec_scheduler import ECScheduler
-from kvhandoff.machines.ec_worker import ECWorker
-from kvhandoff.machines.ec_worker_region import CloseRegion
+from kvhandoff.machines.ec.cache_entry import EncodingEvicted
+from kvhandoff.machines.ec.connector import ECCPUConnector
+from kvhandoff.machines.ec.copy_batch import CopyBlocks
+from kvhandoff.machines.ec.meta import ECConnectorMeta, ECRequestInfo, ECWorkerMeta
+from kvhandoff.machines.ec.nixl_gate import NIXL_MISSING_MESSAGE
+from kvhandoff.machines.ec.producer_grant import SendXferAck
+from kvhandoff.machines.ec.scheduler import ECScheduler
+from kvhandoff.machines.ec.worker import ECWorker
+from kvhandoff.machines.ec.worker_region import CloseRegion
+from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.ec_config import ECRole
 from kvhandoff.protocol.ec_publication import parse_ec_transfer_params
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
@@ -36,6 +34,8 @@ from kvhandoff.protocol.ec_wire import (
     encode_xfer_req,
 )
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.sim.ec.plane import BLOCK_BYTES, COMPAT, layout, transfer_config
+from kvhandoff.sim.ec.plane import SimECPlane as Sim
 
 META = {"image_grid_thw": [1, 4, 4]}
 
@@ -368,7 +368,7 @@ def test_R_E11_restarted_producer_is_read_with_the_metadata_of_its_ack() -> None
     sim.restart_producer()
     params = produce(sim, "h")
     reads: list[Any] = []
-    from kvhandoff.machines.ec_consumer_read import IssueRead
+    from kvhandoff.machines.ec.consumer_read import IssueRead
 
     handler = sim.consumer.scheduler.bus._handlers[IssueRead]
     sim.consumer.scheduler.bus.handle(IssueRead, lambda i, e: (reads.append(e), handler(i, e)))
@@ -570,7 +570,7 @@ def test_R_E02_publication_without_p2p_is_encoded_locally() -> None:
 
 
 def test_B05_synchronous_send_failure_fails_a_rewritten_request_without_crashing() -> None:
-    from kvhandoff.machines.ec_consumer_read import SendXferReq
+    from kvhandoff.machines.ec.consumer_read import SendXferReq
 
     config = transfer_config("ec_consumer", 8, engine_id="c")
     scheduler = ECScheduler(config, layout(8), compat_hash=COMPAT, clock=VirtualClock())

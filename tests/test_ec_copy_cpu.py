@@ -11,11 +11,11 @@ import torch
 
 from kvhandoff.adapters import ec_copy_cpu
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine, as_rows
-from kvhandoff.adapters.shm_region import SharedRegion
-from kvhandoff.machines.ec_connector import ECCPUConnector
-from kvhandoff.machines.ec_copy_batch import CopyBlocks
-from kvhandoff.machines.ec_meta import CopyItem, ECRequestInfo
-from kvhandoff.machines.ec_worker_region import CloseRegion
+from kvhandoff.adapters.shm.region import SharedRegion
+from kvhandoff.machines.ec.connector import ECCPUConnector
+from kvhandoff.machines.ec.copy_batch import CopyBlocks
+from kvhandoff.machines.ec.meta import CopyItem, ECRequestInfo
+from kvhandoff.machines.ec.worker_region import CloseRegion
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.errors import LocalProtocolError
 

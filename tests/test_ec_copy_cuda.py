@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvhandoff.adapters.shm_region import SharedRegion
-from kvhandoff.machines.ec_meta import CopyItem
+from kvhandoff.adapters.shm.region import SharedRegion
+from kvhandoff.machines.ec.meta import CopyItem
 
 if not torch.cuda.is_available():
     pytest.skip(
@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
         allow_module_level=True,
     )
 
-from kvhandoff.adapters.ec_copy_cuda import CudaCopyEngine, runs_of
+from kvhandoff.adapters.cuda.ec_copy import CudaCopyEngine, runs_of
 
 pytestmark = pytest.mark.gpu
 

@@ -17,17 +17,17 @@ LOCAL_TIER_MODULES: tuple[str, ...] = (
     "kvhandoff.protocol.ec_status",
     "kvhandoff.protocol.ec_config",
     "kvhandoff.protocol.ec_publication",
-    "kvhandoff.machines.ec_pool",
-    "kvhandoff.machines.ec_cache_entry",
-    "kvhandoff.machines.ec_cache",
-    "kvhandoff.machines.ec_copy_batch",
-    "kvhandoff.machines.ec_meta",
-    "kvhandoff.machines.ec_request",
-    "kvhandoff.machines.ec_worker_region",
-    "kvhandoff.machines.ec_nixl_gate",
-    "kvhandoff.machines.ec_scheduler",
-    "kvhandoff.machines.ec_worker",
-    "kvhandoff.machines.ec_connector",
+    "kvhandoff.machines.ec.pool",
+    "kvhandoff.machines.ec.cache_entry",
+    "kvhandoff.machines.ec.cache",
+    "kvhandoff.machines.ec.copy_batch",
+    "kvhandoff.machines.ec.meta",
+    "kvhandoff.machines.ec.request",
+    "kvhandoff.machines.ec.worker_region",
+    "kvhandoff.machines.ec.nixl_gate",
+    "kvhandoff.machines.ec.scheduler",
+    "kvhandoff.machines.ec.worker",
+    "kvhandoff.machines.ec.connector",
     "kvhandoff.adapters.ec_copy_cpu",
 )
 """Every module the local (no `ec_enable_nixl`) tier may import."""
@@ -81,7 +81,7 @@ def test_R_E02_local_connector_halves_built_without_p2p_stack(tmp_path: Path) ->
     # Building (not only importing) a local-tier scheduler and worker stays off the P2P stack.
     code = _PROBE.format(forbidden=FORBIDDEN_PACKAGES).replace(
         "forbidden = ",
-        "from kvhandoff.machines.ec_connector import ECCPUConnector\n"
+        "from kvhandoff.machines.ec.connector import ECCPUConnector\n"
         "from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig\n"
         "c = ECTransferConfig(ec_connector='ECCPUConnector', ec_role='ec_both',\n"
         "    ec_connector_extra_config={'ec_cpu_bytes': 4096})\n"
@@ -98,5 +98,5 @@ def test_R_E02_local_connector_halves_built_without_p2p_stack(tmp_path: Path) ->
 
 def test_R_E02_p2p_halves_are_separate_modules(tmp_path: Path) -> None:
     # Control: the P2P modules do load msgspec, so they must stay out of the list above.
-    for module in ("kvhandoff.machines.ec_p2p", "kvhandoff.machines.ec_consumer_read"):
+    for module in ("kvhandoff.machines.ec.p2p", "kvhandoff.machines.ec.consumer_read"):
         assert "msgspec" in _forbidden_loaded((module,), tmp_path)

@@ -26,8 +26,8 @@ import torch
 from kvhandoff.adapters.ec_side import ECSide
 from kvhandoff.demo.ec_role import BLOCK_BYTES, COMPAT, DTYPE, HIDDEN, encoding, matches
 from kvhandoff.demo.launcher import RoleProcess, relay, start_role, stop_all, wait_ready
-from kvhandoff.machines.ec_consumer_read import SendXferReq
-from kvhandoff.machines.ec_meta import ECRequestInfo
+from kvhandoff.machines.ec.consumer_read import SendXferReq
+from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.protocol.ec_config import ECLayout, ECRole, ECTransferConfig
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck, encode_xfer_ack, encode_xfer_req

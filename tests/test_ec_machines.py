@@ -7,11 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.machines.bus import EventBus
-from kvhandoff.machines.clock import VirtualClock
-from kvhandoff.machines.ec_cache import EmbeddingCache
-from kvhandoff.machines.ec_cache_entry import ENTRY_KIND, EncodingEvicted
-from kvhandoff.machines.ec_consumer_read import (
+from kvhandoff.machines.ec.cache import EmbeddingCache
+from kvhandoff.machines.ec.cache_entry import ENTRY_KIND, EncodingEvicted
+from kvhandoff.machines.ec.consumer_read import (
     CONSUMER_READ_KIND,
     EC_CONSUMER_READ,
     FallBackLocal,
@@ -20,18 +18,20 @@ from kvhandoff.machines.ec_consumer_read import (
     SendXferDone,
     SendXferReq,
 )
-from kvhandoff.machines.ec_copy_batch import COPY_BATCH_KIND, EC_COPY_BATCH, CopyBlocks, CopyLanded
-from kvhandoff.machines.ec_meta import CopyItem
-from kvhandoff.machines.ec_pool import BlockPool, FifoEvictionOrder
-from kvhandoff.machines.ec_producer_grant import (
+from kvhandoff.machines.ec.copy_batch import COPY_BATCH_KIND, EC_COPY_BATCH, CopyBlocks, CopyLanded
+from kvhandoff.machines.ec.meta import CopyItem
+from kvhandoff.machines.ec.pool import BlockPool, FifoEvictionOrder
+from kvhandoff.machines.ec.producer_grant import (
     EC_PRODUCER_GRANT,
     GRANT_KIND,
     GrantCheck,
     SendXferAck,
 )
-from kvhandoff.machines.ec_request import EC_REQUEST, REQUEST_KIND, FailRequest
-from kvhandoff.machines.ec_worker_region import EC_WORKER_REGION, REGION_KIND, CloseRegion
-from kvhandoff.machines.effects import Emit
+from kvhandoff.machines.ec.request import EC_REQUEST, REQUEST_KIND, FailRequest
+from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, REGION_KIND, CloseRegion
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.machines.runtime.effects import Emit
 from kvhandoff.protocol.ec_config import ECLayout
 from kvhandoff.protocol.ec_status import (
     EC_CONNECTOR_VERSION,

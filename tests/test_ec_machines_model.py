@@ -7,14 +7,14 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvhandoff.machines.catalog import EC_DECLARATIONS
-from kvhandoff.machines.compiled import Instance
-from kvhandoff.machines.ec_cache_entry import EC_CACHE_ENTRY
-from kvhandoff.machines.ec_consumer_read import EC_CONSUMER_READ
-from kvhandoff.machines.ec_copy_batch import EC_COPY_BATCH
-from kvhandoff.machines.ec_meta import CopyItem
-from kvhandoff.machines.ec_producer_grant import EC_PRODUCER_GRANT, GrantCheck
-from kvhandoff.machines.ec_request import EC_REQUEST
-from kvhandoff.machines.ec_worker_region import EC_WORKER_REGION
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
+from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
+from kvhandoff.machines.ec.meta import CopyItem
+from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, GrantCheck
+from kvhandoff.machines.ec.request import EC_REQUEST
+from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION
+from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus, compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck, XferReq, grant_ack, nack
 from kvhandoff.testing import run_model_test

@@ -35,20 +35,20 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvhandoff.adapters.sim_ec_plane import Engine
-from kvhandoff.adapters.sim_ec_plane import SimECPlane as Sim
-from kvhandoff.machines.compiled import Instance
-from kvhandoff.machines.ec_cache_entry import ENTRY_KIND
-from kvhandoff.machines.ec_consumer_read import CONSUMER_READ_KIND
-from kvhandoff.machines.ec_meta import ECRequestInfo
-from kvhandoff.machines.ec_producer_grant import GRANT_KIND
-from kvhandoff.machines.ec_request import REQUEST_KIND
+from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec.consumer_read import CONSUMER_READ_KIND
+from kvhandoff.machines.ec.meta import ECRequestInfo
+from kvhandoff.machines.ec.producer_grant import GRANT_KIND
+from kvhandoff.machines.ec.request import REQUEST_KIND
+from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
     DEFAULT_NIXL_READ_TIMEOUT_S,
     DEFAULT_PIN_LEASE_S,
 )
 from kvhandoff.protocol.ec_status import NACKS, RETRYABLE_NACKS
+from kvhandoff.sim.ec.plane import Engine
+from kvhandoff.sim.ec.plane import SimECPlane as Sim
 
 MAX_NOT_READY = 20
 HASHES = [f"h{i}" for i in range(6)]

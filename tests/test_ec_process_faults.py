@@ -28,12 +28,12 @@ from test_ec_integration import (
     unique,
 )
 
-from kvhandoff.adapters.shm_region import reap_stale_regions
+from kvhandoff.adapters.shm.region import reap_stale_regions
 from kvhandoff.demo.ec_role import BLOCK_BYTES, encoding, matches
 from kvhandoff.demo.launcher import relay, stop_all
-from kvhandoff.machines.ec_consumer_read import IssueRead
-from kvhandoff.machines.ec_meta import ECRequestInfo
-from kvhandoff.machines.ec_producer_grant import SendXferAck
+from kvhandoff.machines.ec.consumer_read import IssueRead
+from kvhandoff.machines.ec.meta import ECRequestInfo
+from kvhandoff.machines.ec.producer_grant import SendXferAck
 
 pytestmark = pytest.mark.integration
 

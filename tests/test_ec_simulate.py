@@ -16,10 +16,10 @@ from collections import Counter
 
 import pytest
 
-from kvhandoff.adapters.sim_ec_variants import EC_VARIANTS
-from kvhandoff.adapters.sim_ec_world import ECSimSettings, SimulatedECWorld
-from kvhandoff.adapters.sim_fabric import SimFaults
-from kvhandoff.simulate import SimulateOptions, quiet_framework_logs, run_ec_seed, simulate
+from kvhandoff.sim.ec.variants import EC_VARIANTS
+from kvhandoff.sim.ec.world import ECSimSettings, SimulatedECWorld
+from kvhandoff.sim.push.fabric import SimFaults
+from kvhandoff.sim.run import SimulateOptions, quiet_framework_logs, run_ec_seed, simulate
 
 
 def test_R_E07_R_E08_R_E12_B01_B04_B05_simulate_ec_budget_keeps_every_invariant() -> None:

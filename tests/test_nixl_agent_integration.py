@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvhandoff.adapters.nixl_agent import (
+from kvhandoff.adapters.nixl.agent import (
     BlockLayout,
     IndexList,
     NixlAgent,
@@ -28,8 +28,8 @@ from kvhandoff.adapters.nixl_agent import (
     PreppedBlocks,
     XferHandle,
 )
-from kvhandoff.adapters.nixl_loader import load_nixl
-from kvhandoff.adapters.zmq_side_channel import SideChannelServer, fetch_handshake
+from kvhandoff.adapters.nixl.loader import load_nixl
+from kvhandoff.adapters.zmq.side_channel import SideChannelServer, fetch_handshake
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
 
 HELPERS = Path(__file__).resolve().parent / "helpers"

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.adapters.nixl_agent import NixlTransferError
-from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+from kvhandoff.adapters.nixl.agent import NixlTransferError
+from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.demo.kv_memory import KVShape
 from kvhandoff.demo.launcher import RoleProcess, collect, go, start_role, wait_ready
 from kvhandoff.demo.push_instance import LivePushInstance
 from kvhandoff.demo.push_role import DemoRequest, demo_requests
-from kvhandoff.machines.push_p_lease import KIND as P_KIND
+from kvhandoff.machines.push.p_lease import KIND as P_KIND
 from kvhandoff.protocol.push_config import PushConfig
 
 pytestmark = pytest.mark.integration
@@ -241,7 +241,7 @@ def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
     """Pull: P's request_finished returns its coordinates and blocks; D READs them, its
     READ's notif frees P's lease; heartbeats and handshakes are push mode's."""
     from kvhandoff.demo.launcher import relay
-    from kvhandoff.machines.pull_p_lease import KIND as PULL_P_KIND
+    from kvhandoff.machines.pull.p_lease import KIND as PULL_P_KIND
 
     p = prefill_factory(mode="pull")
     requests = demo_requests(4, SEED)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvhandoff.machines.push_d_registration import D_REGISTRATION
-from kvhandoff.machines.push_effects import ReplayPush, ReplayRegistration
-from kvhandoff.machines.push_handshake import HANDSHAKE
-from kvhandoff.machines.push_p_lease import P_LEASE
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.effects import ReplayPush, ReplayRegistration
+from kvhandoff.machines.push.handshake import HANDSHAKE
+from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.protocol.push_wire import PushRegistration
 from kvhandoff.testing import run_model_test
 
@@ -63,8 +63,8 @@ def test_R_P05_handshake_model() -> None:
 
 
 def test_B09_pull_machines_model() -> None:
-    from kvhandoff.machines.pull_d_read import D_READ
-    from kvhandoff.machines.pull_p_lease import PULL_P_LEASE
+    from kvhandoff.machines.pull.d_read import D_READ
+    from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
     from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
 
     source = PullSource(PrefillCoordinates("P", "127.0.0.1", 5500, 1), "p-1", (1, 2))
@@ -81,10 +81,10 @@ def test_B09_pull_machines_model() -> None:
 
 
 def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:
-    from kvhandoff.machines.bus import EventBus
-    from kvhandoff.machines.clock import VirtualClock
-    from kvhandoff.machines.pull_d_read import D_READ
-    from kvhandoff.machines.push_effects import FailedRecving, ReleaseTransfer
+    from kvhandoff.machines.pull.d_read import D_READ
+    from kvhandoff.machines.push.effects import FailedRecving, ReleaseTransfer
+    from kvhandoff.machines.runtime.bus import EventBus
+    from kvhandoff.machines.runtime.clock import VirtualClock
     from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
 
     clock = VirtualClock()

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvhandoff.adapters.sim_world import SimSettings, SimulatedPushWorld
+from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
 
 ROLES = st.sampled_from(["prefill", "decode"])
 MAX_REQUESTS = 6

@@ -15,8 +15,8 @@ from test_push_integration import SEED, SHAPE, Prefill, child, child_summary, po
 from kvhandoff.demo.launcher import go
 from kvhandoff.demo.push_instance import LivePushInstance
 from kvhandoff.demo.push_role import demo_requests
-from kvhandoff.machines.push_d_registration import KIND as D_KIND
-from kvhandoff.machines.push_handshake import KIND as HANDSHAKE_KIND
+from kvhandoff.machines.push.d_registration import KIND as D_KIND
+from kvhandoff.machines.push.handshake import KIND as HANDSHAKE_KIND
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 from kvhandoff.protocol.push_config import PushConfig
 

@@ -14,13 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.adapters.sim_engine import Arrival
-from kvhandoff.adapters.sim_fabric import SimTransfer, SimTransportError
-from kvhandoff.adapters.sim_world import SimSettings, SimulatedPushWorld
-from kvhandoff.machines.bus import EventBus
-from kvhandoff.machines.clock import VirtualClock
-from kvhandoff.machines.push_d_registration import KIND as D_KIND
-from kvhandoff.machines.push_effects import (
+from kvhandoff.machines.push.d_registration import KIND as D_KIND
+from kvhandoff.machines.push.effects import (
     ArmSelfPoll,
     DisarmSelfPoll,
     DropRemoteAgent,
@@ -34,17 +29,19 @@ from kvhandoff.machines.push_effects import (
     StartHandshake,
     WakeWriter,
 )
-from kvhandoff.machines.push_handshake import KIND as HANDSHAKE_KIND
-from kvhandoff.machines.push_p_lease import KIND as P_KIND
-from kvhandoff.machines.push_scheduler import (
+from kvhandoff.machines.push.handshake import KIND as HANDSHAKE_KIND
+from kvhandoff.machines.push.p_lease import KIND as P_KIND
+from kvhandoff.machines.push.scheduler import (
     LocalEngine,
     PushConnectorMeta,
     PushConnectorOutput,
     PushScheduler,
     register_push_machines,
 )
-from kvhandoff.machines.push_worker import PushWorker
-from kvhandoff.machines.push_writer import PushWriter
+from kvhandoff.machines.push.worker import PushWorker
+from kvhandoff.machines.push.writer import PushWriter
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.blocks import expand_to_physical
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg, prefill_leg
 from kvhandoff.protocol.notifs import (
@@ -56,6 +53,9 @@ from kvhandoff.protocol.notifs import (
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PUSH_REG_PREFIX, PushRegistration, encode_push_reg
 from kvhandoff.protocol.request_ids import get_base_request_id
+from kvhandoff.sim.push.engine import Arrival
+from kvhandoff.sim.push.fabric import SimTransfer, SimTransportError
+from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
 
 P_ENGINE = LocalEngine("prefill-0", "10.0.0.1", 5600)
 D_ENGINE = LocalEngine("decode-0", "10.0.0.2", 5700)

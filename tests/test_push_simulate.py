@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from kvhandoff.adapters.sim_variants import VARIANTS
-from kvhandoff.simulate import SimulateOptions, replay_command, run_push_seed, simulate
+from kvhandoff.sim.push.variants import VARIANTS
+from kvhandoff.sim.run import SimulateOptions, replay_command, run_push_seed, simulate
 
 
 def test_R_P12_B06_B07_B08_simulate_push_budget_keeps_every_invariant() -> None:

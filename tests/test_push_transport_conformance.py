@@ -27,9 +27,7 @@ import numpy.typing as npt
 import pytest
 
 from kvhandoff.adapters.push_transport import PushTransport
-from kvhandoff.adapters.sim_fabric import SimNetwork
-from kvhandoff.adapters.sim_transport import SimPushTransport
-from kvhandoff.machines.clock import VirtualClock
+from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HandshakePayload,
@@ -38,6 +36,8 @@ from kvhandoff.protocol.handshake import (
     encode_handshake,
 )
 from kvhandoff.protocol.member_routing import LocalRegion
+from kvhandoff.sim.push.fabric import SimNetwork
+from kvhandoff.sim.push.transport import SimPushTransport
 
 BLOCK_LEN = 4096
 BLOCKS = 8
@@ -110,8 +110,8 @@ class SimHarness:
 
 class NixlSide:
     def __init__(self, engine_id: str, members: tuple[str, ...]) -> None:
-        from kvhandoff.adapters.nixl_agent import NixlAgent
-        from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+        from kvhandoff.adapters.nixl.agent import NixlAgent
+        from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 
         self.members = members
         self.memory: list[npt.NDArray[np.uint8]] = [
@@ -162,7 +162,7 @@ Harness = SimHarness | NixlHarness
 
 def _nixl_available() -> bool:
     try:
-        from kvhandoff.adapters.nixl_loader import load_nixl
+        from kvhandoff.adapters.nixl.loader import load_nixl
 
         load_nixl()
     except Exception:

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.adapters import shm_region
-from kvhandoff.adapters.shm_region import (
+from kvhandoff.adapters.shm import region as shm_region
+from kvhandoff.adapters.shm.region import (
     SharedRegion,
     reap_stale_regions,
     region_name,

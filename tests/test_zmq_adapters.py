@@ -17,13 +17,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvhandoff.adapters.zmq_control import (
+from kvhandoff.adapters.zmq.control import (
     ControlClient,
     ControlEvent,
     ControlServer,
     Heartbeat,
 )
-from kvhandoff.adapters.zmq_side_channel import (
+from kvhandoff.adapters.zmq.side_channel import (
     GET_META,
     HandshakeTimeout,
     SideChannelServer,

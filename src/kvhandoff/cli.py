@@ -28,7 +28,7 @@ def _cmd_diagrams(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_latency(args: argparse.Namespace) -> int:
-    from kvhandoff.bench_latency import run_latency_bench
+    from kvhandoff.bench.latency import run_latency_bench
 
     result = run_latency_bench(args.requests, 1 if args.quick else 2, _progress)
     if not args.json:
@@ -42,7 +42,7 @@ def _cmd_bench_latency(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_ec(args: argparse.Namespace) -> int:
-    from kvhandoff.bench_ec import config_for, print_summary, run_ec_bench
+    from kvhandoff.bench.ec import config_for, print_summary, run_ec_bench
 
     result = run_ec_bench(config_for(args.device, args.quick, args.blocks), _progress)
     if not args.json:
@@ -57,7 +57,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "latency":
         return _cmd_bench_latency(args)
     if args.what == "dispatch":
-        from kvhandoff.bench_dispatch import run_dispatch_bench
+        from kvhandoff.bench.dispatch import run_dispatch_bench
 
         result = run_dispatch_bench(_progress, quick=args.quick)
         if not args.json:
@@ -69,7 +69,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else "")
         return 0
     if args.what == "push":
-        from kvhandoff.bench_push import config_for, run_push_bench
+        from kvhandoff.bench.push import config_for, run_push_bench
 
         push = run_push_bench(config_for(args.device, args.quick), _progress)
         for note in push["notes"]:
@@ -152,13 +152,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from kvhandoff.simulate import main_from_args
+    from kvhandoff.sim.run import main_from_args
 
     return main_from_args(args)
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
-    from kvhandoff.soak import run_soak
+    from kvhandoff.soak.run import run_soak
 
     result = run_soak(args.seconds, args.faults, args.seed, args.ec_faults)
     if not args.json:

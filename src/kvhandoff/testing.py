@@ -37,11 +37,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvhandoff.machines.bus import EventBus
-from kvhandoff.machines.clock import VirtualClock
-from kvhandoff.machines.compiled import Instance
-from kvhandoff.machines.declaration import Declaration
-from kvhandoff.machines.effects import Emit
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.effects import Emit
 from kvhandoff.protocol.errors import LocalProtocolError
 
 Invariant = Callable[[Instance], None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import selectors
 import sys
 
-from kvhandoff.adapters.zmq_control import ControlServer, Heartbeat
+from kvhandoff.adapters.zmq.control import ControlServer, Heartbeat
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvhandoff.adapters.nixl_agent import NixlAgent
-from kvhandoff.adapters.zmq_side_channel import SideChannelServer, fetch_handshake
+from kvhandoff.adapters.nixl.agent import NixlAgent
+from kvhandoff.adapters.zmq.side_channel import SideChannelServer, fetch_handshake
 
 PREFIX = "@@ "
 Bytes = npt.NDArray[np.uint8]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from kvhandoff.adapters.shm_region import SharedRegion
+from kvhandoff.adapters.shm.region import SharedRegion
 
 
 def say(line: str) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.machines.ec_cache_entry import ENTRY_KIND
-from kvhandoff.machines.ec_copy_batch import COPY_BATCH_KIND
+from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec.copy_batch import COPY_BATCH_KIND
 
 
 def _transient(side: ECSide) -> int:

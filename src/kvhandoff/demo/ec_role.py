@@ -58,8 +58,8 @@ from kvhandoff.adapters.ec_fault_injection import ECFaultPlan, ECFaults, FaultyE
 from kvhandoff.adapters.ec_side import ECSide
 from kvhandoff.demo.ec_audit import audit, settled
 from kvhandoff.demo.push_role import MARK, emit, rss_mb
-from kvhandoff.machines.ec_cache_entry import EncodingEvicted
-from kvhandoff.machines.ec_meta import CopyDirection, CopyItem, ECRequestInfo
+from kvhandoff.machines.ec.cache_entry import EncodingEvicted
+from kvhandoff.machines.ec.meta import CopyDirection, CopyItem, ECRequestInfo
 from kvhandoff.protocol.ec_config import EXTRA_CONFIG_KEYS, ECLayout, ECRole, ECTransferConfig
 from kvhandoff.protocol.ec_status import compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck

@@ -12,12 +12,12 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from kvhandoff.adapters.nixl_agent import NixlAgent
-from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+from kvhandoff.adapters.nixl.agent import NixlAgent
+from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
 from kvhandoff.demo.kv_memory import KVMemory, KVShape
-from kvhandoff.machines.push_scheduler import LocalEngine, Mode, PushConnectorOutput, Role
+from kvhandoff.machines.push.scheduler import LocalEngine, Mode, PushConnectorOutput, Role
 from kvhandoff.protocol.handshake import compatibility_hash
 from kvhandoff.protocol.push_config import PushConfig
 

@@ -71,7 +71,7 @@ class RoleOptions:
 
 def run_push_role(opts: RoleOptions) -> int:
     from kvhandoff.adapters.fault_injection import FaultPlan, faulty_transport_factory
-    from kvhandoff.adapters.nixl_push_transport import NixlPushTransport
+    from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
     from kvhandoff.demo.push_instance import LivePushInstance
 
     plan = FaultPlan.parse(opts.faults)

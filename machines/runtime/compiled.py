@@ -1,0 +1,215 @@
+"""A declaration compiled once into an O(1) dispatch table.
+
+Each state becomes a `Node` whose `on` dict maps an event straight to a `Route`
+(destination node, action, guard chain). Every instance of a kind shares these nodes;
+an `Instance` is a slotted record holding only its node, key, context, its one armed
+timer and its run-to-completion queue. A route counts how often it was taken, which is
+the transition coverage and the per-kind counters at no extra cost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from kvhandoff.machines.runtime.declaration import (
+    Action,
+    Declaration,
+    Guard,
+    Timeout,
+    TransitionDecl,
+)
+from kvhandoff.protocol.errors import LocalProtocolError
+
+
+class Node:
+    """A compiled state: its outgoing routes, ignored events and timeout."""
+
+    __slots__ = (
+        "final",
+        "ignored",
+        "name",
+        "on",
+        "timeout",
+        "timeout_seconds",
+        "timeout_trigger",
+        "timer_queue",
+    )
+
+    def __init__(self, name: str, final: bool) -> None:
+        self.name = name
+        self.final = final
+        self.on: dict[str, Route] = {}
+        self.ignored: frozenset[str] = frozenset()
+        self.timeout: Timeout | None = None
+        self.timeout_seconds: float | None = None
+        self.timeout_trigger: str | None = None
+        # The bus's queue of timers of this duration (set when the machine is registered).
+        self.timer_queue: deque[list[Any]] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name}>"
+
+
+class Route:
+    """Where an event leads from one node.
+
+    `dest` is None for an internal transition. `alternatives` is set when the trigger
+    has guarded options; then `dest`/`action` describe nothing and `choose` decides.
+    """
+
+    __slots__ = (
+        "action",
+        "alternatives",
+        "count",
+        "dest",
+        "edge",
+        "keeps_timer",
+        "plain",
+        "source",
+    )
+
+    def __init__(
+        self,
+        source: Node,
+        dest: Node | None,
+        action: Action | None,
+        edge: tuple[str, str, str],
+    ) -> None:
+        self.source = source
+        self.dest = dest
+        self.action = action
+        self.edge = edge
+        self.count = 0
+        self.alternatives: tuple[tuple[tuple[Guard, ...], tuple[Guard, ...], Route], ...] = ()
+        # A plain route changes state and timers only: the bus runs it on its fast path.
+        self.plain = False
+        # Between two states declaring an equal timeout, the armed deadline carries over
+        # (one watchdog or lease spanning several states).
+        self.keeps_timer = (
+            dest is not None and source.timeout is not None and source.timeout == dest.timeout
+        )
+
+    def choose(self, instance: Instance, payload: Any) -> Route | None:
+        """The first guarded alternative whose conditions hold and `unless` guards do not."""
+        for conditions, unless, route in self.alternatives:
+            if all(g(instance, payload) for g in conditions) and not any(
+                g(instance, payload) for g in unless
+            ):
+                return route
+        return None
+
+
+class Instance:
+    """One live lifecycle: a slotted record shared-nothing with its siblings."""
+
+    __slots__ = ("busy", "ctx", "key", "machine", "node", "queue", "serial", "timer")
+
+    def __init__(self, machine: CompiledMachine, key: Any, ctx: Any, serial: int = 0) -> None:
+        self.machine = machine
+        self.serial = serial
+        self.key = key
+        self.ctx = ctx
+        self.node = machine.initial
+        self.timer: list[Any] | None = None
+        self.busy = False
+        self.queue: deque[tuple[str, Any]] | None = None
+
+    @property
+    def state(self) -> str:
+        return self.node.name
+
+    def __lt__(self, other: Instance) -> bool:
+        """Orders timer-heap entries with equal deadlines: creation order."""
+        return self.serial < other.serial
+
+    @property
+    def kind(self) -> str:
+        return self.machine.name
+
+    def __repr__(self) -> str:
+        return f"<{self.machine.name} {self.key!r} in {self.node.name}>"
+
+
+class CompiledMachine:
+    """The dispatch table of one declaration under one config, shared by all instances."""
+
+    def __init__(self, decl: Declaration, config: Mapping[str, float] | None = None) -> None:
+        self.decl = decl
+        self.name = decl.name
+        self.config = dict(decl.config_defaults) | dict(config or {})
+        self.nodes: dict[str, Node] = {s.name: Node(s.name, s.final) for s in decl.state_decls}
+        self.initial = self.nodes[decl.initial_state]
+        self.context: Callable[..., Any] | None = decl.context
+        self.ignored_count = 0
+        self.error_count = 0
+        self.created = 0
+        self.retired = 0
+        for state in decl.state_decls:
+            node = self.nodes[state.name]
+            node.ignored = decl.ignored_events(state.name)
+            if state.timeout is not None:
+                node.timeout = state.timeout
+                node.timeout_seconds = decl.timeout_seconds(state.timeout, self.config)
+                node.timeout_trigger = state.timeout.trigger
+        self.routes: list[Route] = []
+        grouped: dict[tuple[str, str], list[TransitionDecl]] = {}
+        for t in decl.transition_decls:
+            grouped.setdefault((t.source, t.trigger), []).append(t)
+        for (source, trigger), options in grouped.items():
+            self.nodes[source].on[trigger] = self._route(options)
+
+    def _route(self, options: list[TransitionDecl]) -> Route:
+        simple = [self._simple_route(t) for t in options]
+        self.routes.extend(simple)
+        first = options[0]
+        if len(options) == 1 and not first.conditions and not first.unless:
+            return simple[0]
+        chooser = Route(self.nodes[first.source], None, None, ("", "", ""))
+        chooser.plain = False
+        chooser.alternatives = tuple(
+            (self._guards(t.conditions), self._guards(t.unless), route)
+            for t, route in zip(options, simple, strict=True)
+        )
+        return chooser
+
+    def _simple_route(self, t: TransitionDecl) -> Route:
+        source = self.nodes[t.source]
+        dest = None if t.dest is None else self.nodes[t.dest]
+        action = self.decl.callbacks[t.after] if t.after else None
+        edge = (t.source, t.trigger, t.dest if t.dest is not None else t.source)
+        return Route(source, dest, action, edge)
+
+    def _guards(self, names: Iterable[str]) -> tuple[Guard, ...]:
+        return tuple(self.decl.callbacks[name] for name in names)
+
+    def set_fast_path(self, enabled: bool) -> None:
+        """Let plain routes skip the general step (off while transitions are recorded)."""
+        for route in self.routes:
+            dest = route.dest
+            route.plain = (
+                enabled
+                and dest is not None
+                and route.action is None
+                and not dest.final
+                and not route.keeps_timer
+            )
+
+    # -- counters ----------------------------------------------------------------------
+
+    @property
+    def transition_count(self) -> int:
+        return sum(route.count for route in self.routes)
+
+    def taken_edges(self) -> frozenset[tuple[str, str, str]]:
+        return frozenset(route.edge for route in self.routes if route.count)
+
+    def new_context(self, fields: Mapping[str, Any]) -> Any:
+        if self.context is None:
+            if fields:
+                raise LocalProtocolError(
+                    f"machine {self.name!r} declares no context, got fields {sorted(fields)}"
+                )
+            return None
+        return self.context(**fields)

@@ -1,0 +1,532 @@
+"""The in-memory encoder-cache planes, for deterministic simulation ONLY (never production).
+
+`SimECPlane` executes the effects of a real producer and a real consumer (`ECScheduler`
+and `ECWorker` halves) on a `VirtualClock`, with one seeded `random.Random`:
+
+- Control plane: `SendXferReq`, `SendXferDone`, `SendXferAck` become byte messages on a
+  link with a delay. A link keeps FIFO order unless `reorder` strikes; messages may be
+  dropped, delayed or duplicated (`SimFaults`, or one-shot faults a test arms). While
+  partitioned, messages wait for the heal (TCP retransmits); a disconnect (ZMQ heartbeat
+  loss) drops what is in flight and tells both ends.
+- Data plane: `IssueRead` becomes a NIXL READ that completes after a delay, fails, or
+  stalls; loading a new producer agent may fail (`handshake_fail`). Across a partition
+  a READ waits for the heal; a READ from a crashed producer fails. A READ nobody awaits
+  any more (its read ended, its quarantine too) is cancelled, as the real reader
+  releases its handle: it lands nowhere.
+- Copies: `CopyBlocks` lands after a delay (`slow_save` makes saves late, so consumers
+  meet `NACK_NOT_READY`); a save writes the entry's tag into its blocks, a load checks it.
+
+Regions hold one tag per block (the `mm_hash` whose bytes it holds), so a READ or a load
+of the wrong blocks is caught: the plane records a violation instead of raising, and the
+world (`sim_ec_world`) or a test decides what that means.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhandoff.machines.ec.cache_entry import EncodingEvicted
+from kvhandoff.machines.ec.consumer_read import (
+    CONSUMER_READ_KIND,
+    IssueRead,
+    SendXferDone,
+    SendXferReq,
+)
+from kvhandoff.machines.ec.copy_batch import CopyBlocks
+from kvhandoff.machines.ec.meta import ECRequestInfo
+from kvhandoff.machines.ec.producer_grant import SendXferAck
+from kvhandoff.machines.ec.request import FailRequest
+from kvhandoff.machines.ec.scheduler import ECScheduler
+from kvhandoff.machines.ec.worker import ECWorker
+from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.protocol.ec_config import ECLayout, ECRole, ECTransferConfig
+from kvhandoff.protocol.ec_status import XferStatus, compatibility_hash
+from kvhandoff.protocol.ec_wire import (
+    XferAck,
+    decode_xfer_ack,
+    encode_xfer_ack,
+    encode_xfer_done,
+    encode_xfer_req,
+)
+from kvhandoff.protocol.errors import RemoteProtocolError
+from kvhandoff.sim.push.fabric import SimFaults
+
+__all__ = ["BLOCK_BYTES", "COMPAT", "Engine", "SimECPlane", "layout", "transfer_config"]
+
+HIDDEN = 4
+DTYPE_SIZE = 2
+BLOCK_BYTES = HIDDEN * DTYPE_SIZE
+COMPAT = compatibility_hash("1.0", "model", "bfloat16", BLOCK_BYTES)
+TO_PRODUCER, TO_CONSUMER = "to_producer", "to_consumer"
+
+
+def layout(num_blocks: int) -> ECLayout:
+    return ECLayout(hidden_dim=HIDDEN, dtype_size=DTYPE_SIZE, ec_cpu_bytes=num_blocks * BLOCK_BYTES)
+
+
+def transfer_config(
+    role: ECRole, num_blocks: int, *, engine_id: str, p2p: bool = True, **extra: Any
+) -> ECTransferConfig:
+    return ECTransferConfig(
+        ec_connector="ECCPUConnector",
+        ec_role=role,
+        ec_connector_extra_config={
+            "ec_cpu_bytes": num_blocks * BLOCK_BYTES,
+            "ec_enable_nixl": p2p,
+            **extra,
+        },
+        engine_id=engine_id,
+    )
+
+
+@dataclass
+class Engine:
+    """One instance: a scheduler half, one worker half, and its region's block tags."""
+
+    name: str
+    role: ECRole
+    scheduler: ECScheduler
+    worker: ECWorker
+    region: list[str | None]
+    host: str = ""
+    port: int = 0
+    epoch: int = 0
+    alive: bool = True
+    identity: bytes = b""  # its ZMQ identity, as the producer's ROUTER sees it
+    known_agents: set[str] = field(default_factory=set)  # producer agents it loaded
+    evicted: list[EncodingEvicted] = field(default_factory=list)
+    failed: list[FailRequest] = field(default_factory=list)
+    outstanding_loads: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(order=True)
+class _Event:
+    when: float
+    seq: int
+    run: Callable[[], None] = field(compare=False)
+
+
+class SimECPlane:
+    """Seeded executor of the effects of one producer and one consumer."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        *,
+        producer_blocks: int = 16,
+        consumer_blocks: int = 16,
+        faults: SimFaults | None = None,
+        net_delay: tuple[float, float] = (0.01, 0.2),
+        copy_delay: tuple[float, float] = (0.0, 0.5),
+        read_delay: tuple[float, float] = (0.01, 0.5),
+        machine_config: dict[str, float] | None = None,
+        producer_role: ECRole = "ec_producer",
+        consumer_role: ECRole = "ec_consumer",
+        clock: VirtualClock | None = None,
+        rng: random.Random | None = None,
+        eviction_observer: Callable[[Engine, str, list[Any]], None] | None = None,
+        on_engine: Callable[[Engine], None] | None = None,
+        ack_observer: Callable[[str, Any, str, str], None] | None = None,
+    ) -> None:
+        self.rng = rng or random.Random(seed)
+        self.clock = clock or VirtualClock()
+        self.faults = faults or SimFaults.none()
+        self.net_delay = net_delay
+        self.copy_delay = copy_delay
+        self.read_delay = read_delay
+        self.machine_config = machine_config or {}
+        self.eviction_observer = eviction_observer
+        self.on_engine = on_engine
+        self.ack_observer = ack_observer
+        self._events: list[_Event] = []
+        self._seq = itertools.count()
+        self._link_last = {TO_PRODUCER: 0.0, TO_CONSUMER: 0.0}
+        self._link_epoch = 0
+        self.partitioned = False
+        # What waits for the heal: messages (lost if the connection drops meanwhile) and
+        # READs (a DMA outlives a ZMQ reconnect).
+        self._held_messages: list[Callable[[], None]] = []
+        self._held_reads: list[Callable[[], None]] = []
+        self.producer_blocks = producer_blocks
+        self.consumer_blocks = consumer_blocks
+        self.producer_role = producer_role
+        self.consumer_role = consumer_role
+        self.producer = self._engine("producer", producer_role, producer_blocks, 0)
+        self.consumer = self._engine("consumer", consumer_role, consumer_blocks, 0)
+        # One-shot faults a test arms for the next matching message or read.
+        self.ack_faults: list[str] = []
+        self.read_faults: list[str] = []
+        self.drop_next: int = 0
+        # What happened, for checks.
+        self.violations: list[str] = []
+        self.delivered_acks: list[tuple[str, str, str]] = []  # (mm_hash, transfer_id, status)
+        self.remote_errors: list[str] = []
+        self.grant_times: dict[tuple[Any, str], float] = {}
+        self.counters: dict[str, int] = {}
+        self.reads_started = 0
+        self.reads_landed = 0
+
+    @property
+    def outstanding_loads(self) -> dict[str, int]:
+        return self.consumer.outstanding_loads
+
+    def count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def violation(self, message: str) -> None:
+        self.violations.append(f"t={self.clock.now:.4f} {message}")
+
+    # -- engines -------------------------------------------------------------------------
+
+    def _engine(self, name: str, role: ECRole, num_blocks: int, epoch: int) -> Engine:
+        engine_id = f"{name}-{epoch}"
+        config = transfer_config(role, num_blocks, engine_id=engine_id)
+        env = {"VLLM_EC_SIDE_CHANNEL_HOST": f"{name}.sim", "VLLM_EC_SIDE_CHANNEL_PORT": "5601"}
+        lay = layout(num_blocks)
+        holder: list[Engine] = []
+
+        def observe(victim: str, order: list[Any]) -> None:
+            if self.eviction_observer is not None:
+                self.eviction_observer(holder[0], victim, order)
+
+        scheduler = ECScheduler(
+            config,
+            lay,
+            compat_hash=COMPAT,
+            clock=self.clock,
+            env=env,
+            machine_config=self.machine_config,
+            eviction_observer=observe,
+        )
+        worker = ECWorker(config, lay, clock=self.clock)
+        worker.register_caches(0, lay.region_bytes)
+        engine = Engine(name, role, scheduler, worker, [None] * num_blocks, f"{name}.sim", 5601)
+        engine.epoch = epoch
+        engine.identity = engine_id.encode()
+        holder.append(engine)
+        if config.is_producer:
+            scheduler.register_nixl_agent(f"agent-{engine_id}", f"md-{engine_id}".encode(), 4096)
+        bus = scheduler.bus
+        bus.handle(
+            SendXferReq, lambda inst, e: self._send_to_producer(engine, encode_xfer_req(e.req))
+        )
+        bus.handle(
+            SendXferDone, lambda inst, e: self._send_to_producer(engine, encode_xfer_done(e.done))
+        )
+        bus.handle(SendXferAck, lambda inst, e: self._send_ack(engine, e))
+        bus.handle(IssueRead, lambda inst, e: self._issue_read(engine, e))
+        bus.handle(EncodingEvicted, lambda inst, e: engine.evicted.append(e))
+        worker.bus.handle(CopyBlocks, lambda inst, e: self._copy(engine, e))
+        if self.on_engine is not None:
+            self.on_engine(engine)
+        return engine
+
+    def crash(self, which: str) -> None:
+        """`producer` or `consumer` dies: nothing it had in flight lands any more."""
+        engine = self.producer if which == "producer" else self.consumer
+        if not engine.alive:
+            return
+        engine.alive = False
+        self._link_epoch += 1  # its connections are gone with it
+
+    def restart(self, which: str) -> None:
+        """A fresh process takes the dead one's address (and a new epoch)."""
+        if which == "producer":
+            old = self.producer
+            self.producer = self._engine(
+                "producer", self.producer_role, self.producer_blocks, old.epoch + 1
+            )
+        else:
+            old = self.consumer
+            self.consumer = self._engine(
+                "consumer", self.consumer_role, self.consumer_blocks, old.epoch + 1
+            )
+
+    def restart_producer(self) -> None:
+        """The producer process dies and a fresh one takes its address."""
+        self.disconnect()
+        self.crash("producer")
+        self.restart("producer")
+
+    def engines(self) -> tuple[Engine, Engine]:
+        return self.producer, self.consumer
+
+    # -- scheduling of simulated work ------------------------------------------------------
+
+    def at(self, when: float, run: Callable[[], None]) -> None:
+        """Run `run` when the clock reaches `when` (in order with the planes' own work)."""
+        heapq.heappush(self._events, _Event(when, next(self._seq), run))
+
+    def _delay(self, bounds: tuple[float, float]) -> float:
+        return self.rng.uniform(*bounds)
+
+    def in_flight(self) -> int:
+        return len(self._events) + len(self._held_messages) + len(self._held_reads)
+
+    def next_event(self) -> float | None:
+        """The earliest time something happens by itself (work or a machine deadline)."""
+        times = [self._events[0].when] if self._events else []
+        for engine in self.engines():
+            if engine.alive:
+                deadline = engine.scheduler.bus.next_deadline()
+                if deadline is not None:
+                    times.append(deadline)
+        return min(times, default=None)
+
+    def advance(self, seconds: float, *, step: Callable[[], None] | None = None) -> None:
+        """Run every due piece of work up to `now + seconds`, stepping after each."""
+        self.run_until(self.clock.now + seconds, step=step)
+
+    def run_until(self, target: float, *, step: Callable[[], None] | None = None) -> None:
+        while True:
+            due = self.next_event()
+            if due is None or due > target:
+                break
+            self.clock.jump_to(max(due, self.clock.now))
+            while self._events and self._events[0].when <= self.clock.now:
+                heapq.heappop(self._events).run()
+            self.poll()
+            if step is not None:
+                step()
+        self.clock.jump_to(max(target, self.clock.now))
+        self.poll()
+        if step is not None:
+            step()
+
+    def poll(self) -> None:
+        for engine in self.engines():
+            if engine.alive:
+                engine.scheduler.poll()
+
+    # -- control plane -------------------------------------------------------------------
+
+    def _send_to_producer(self, engine: Engine, data: bytes) -> None:
+        if engine is self.consumer and engine.alive:
+            self._send(TO_PRODUCER, data, engine.identity)
+
+    def _send(self, link: str, data: bytes, identity: bytes = b"") -> None:
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            self.count("dropped")
+            return
+        faults, rng = self.faults, self.rng
+        if faults.drop and rng.random() < faults.drop:
+            self.count("dropped")
+            return
+        copies = 2 if faults.duplicate and rng.random() < faults.duplicate else 1
+        for _ in range(copies):
+            self._post(link, data, identity)
+        if copies > 1:
+            self.count("duplicated")
+
+    def _post(self, link: str, data: bytes, identity: bytes) -> None:
+        faults, rng = self.faults, self.rng
+        epoch = self._link_epoch
+        when = self.clock.now + self._delay(self.net_delay)
+        if faults.delay and rng.random() < faults.delay:
+            when += rng.uniform(0.5, 4.0)
+            self.count("delayed")
+        if faults.reorder and rng.random() < faults.reorder:
+            self.count("reordered")  # may overtake what was sent before it
+        else:
+            when = max(self._link_last[link], when)
+            self._link_last[link] = when
+
+        def deliver() -> None:
+            if epoch != self._link_epoch:
+                return  # the connection it travelled on is gone
+            if self.partitioned:
+                self._held_messages.append(deliver)
+                return
+            if link == TO_PRODUCER:
+                self._deliver_to_producer(identity, data)
+            else:
+                self._deliver_to_consumer(data)
+
+        self.at(when, deliver)
+
+    def _send_ack(self, engine: Engine, effect: SendXferAck) -> None:
+        if engine is not self.producer or not engine.alive:
+            return  # a dead producer's late answer goes nowhere
+        if effect.peer != self.consumer.identity:
+            return  # the consumer it answers is gone: its ROUTER drops the message
+        if effect.ack.status is XferStatus.OK:
+            self.grant_times[(effect.peer, effect.ack.transfer_id)] = self.clock.now
+        self._send(TO_CONSUMER, encode_xfer_ack(effect.ack))
+
+    def _deliver_to_producer(self, identity: bytes, data: bytes) -> None:
+        producer = self.producer
+        if not producer.alive:
+            return
+        try:
+            producer.scheduler.on_producer_message(identity, data)
+        except RemoteProtocolError as exc:
+            self.remote_errors.append(f"producer: {exc}")
+
+    def _deliver_to_consumer(self, data: bytes) -> None:
+        consumer_engine = self.consumer
+        if not consumer_engine.alive:
+            return
+        data, status, mm_hash = self._fault_ack(data)
+        consumer = consumer_engine.scheduler.consumer
+        assert consumer is not None
+        read = consumer.read(mm_hash)
+        before = "" if read is None else read.state
+        try:
+            consumer_engine.scheduler.on_xfer_ack(data, peer="producer")
+        except RemoteProtocolError as exc:
+            self.remote_errors.append(f"consumer: {exc}")
+        if self.ack_observer is not None and read is not None:
+            self.ack_observer(status, read, before, read.state)
+
+    def _fault_ack(self, data: bytes) -> tuple[bytes, str, str]:
+        """The ack as delivered (maybe replaced by an armed fault), its status, its mm_hash."""
+        ack = decode_xfer_ack(data)
+        if self.ack_faults:
+            fault = self.ack_faults.pop(0)
+            if fault == "garbage":
+                return b"\xc1garbage", "garbage", ack.mm_hash
+            version = 99 if fault == "NACK_VERSION" else ack.version
+            status = XferStatus.NACK_INTERNAL if fault == "NACK_VERSION" else XferStatus(fault)
+            ack = XferAck(version, ack.transfer_id, ack.mm_hash, status, "")
+            data = encode_xfer_ack(ack)
+            if version == 99:
+                status = XferStatus.NACK_VERSION
+            self.delivered_acks.append((ack.mm_hash, ack.transfer_id, str(status)))
+            return data, str(status), ack.mm_hash
+        self.delivered_acks.append((ack.mm_hash, ack.transfer_id, str(ack.status)))
+        return data, str(ack.status), ack.mm_hash
+
+    def disconnect(self) -> None:
+        """The link breaks: in-flight messages are lost and both ends are told."""
+        self._link_epoch += 1
+        self._held_messages.clear()
+        producer, consumer = self.producer, self.consumer
+        if consumer.alive:
+            consumer.scheduler.on_peer_disconnected(producer.host, producer.port)
+        if producer.alive and producer.scheduler.producer is not None:
+            producer.scheduler.on_consumer_disconnected(consumer.identity)
+
+    def partition(self) -> None:
+        self.partitioned = True
+
+    def heal(self) -> None:
+        """The link is back: what waited (messages, stalled READs) moves on, in order."""
+        self.partitioned = False
+        held = self._held_messages + self._held_reads
+        self._held_messages, self._held_reads = [], []
+        for run in held:
+            self.at(self.clock.now + self._delay(self.net_delay), run)
+
+    # -- data plane ------------------------------------------------------------------------
+
+    def _issue_read(self, engine: Engine, read: IssueRead) -> None:
+        self.reads_started += 1
+        producer = self.producer
+        faults, rng = self.faults, self.rng
+        fault = self.read_faults.pop(0) if self.read_faults else ""
+        if not fault:
+            if read.producer_agent_name not in engine.known_agents and (
+                faults.handshake_fail and rng.random() < faults.handshake_fail
+            ):
+                fault = "fail"  # loading the producer's agent metadata failed
+            elif faults.read_fail and rng.random() < faults.read_fail:
+                fault = "fail"
+            elif faults.read_stall and rng.random() < faults.read_stall:
+                fault = "slow"
+        if fault:
+            self.count(f"read_{fault}")
+        if fault == "hang":
+            return
+        engine.known_agents.add(read.producer_agent_name)
+        bounds = (25.0, 70.0) if fault == "slow" else self.read_delay
+        when = self.clock.now + self._delay(bounds)
+
+        def land() -> None:
+            if not engine.alive or engine is not self.consumer:
+                return  # the consumer died: the READ's completion has no one to tell
+            if self.partitioned and producer.alive:
+                self._held_reads.append(land)  # the DMA waits for the link
+                return
+            if fault == "fail" or not producer.alive or self.producer is not producer:
+                engine.scheduler.on_read_failed(read.mm_hash, read.transfer_id)
+                return
+            self._land_read(engine, producer, read)
+
+        self.at(when, land)
+
+    def _land_read(self, consumer: Engine, producer: Engine, read: IssueRead) -> None:
+        live = consumer.scheduler.bus.get(CONSUMER_READ_KIND, read.mm_hash)
+        if live is None or live.ctx.transfer_id != read.transfer_id:
+            # Nobody awaits it any more (its quarantine ended): the reader released the
+            # handle, which cancels the DMA (`ECNixlReader.poll`).
+            self.count("reads_cancelled")
+            return
+        pool = consumer.scheduler.cache.pool
+        for dst in read.dst_blocks:
+            owner = pool.owner_of(dst)
+            if owner != read.mm_hash:
+                self.violation(f"READ of {read.mm_hash} lands in block {dst} held by {owner!r}")
+                return
+        awaited = live.state == "reading"
+        for src, dst in zip(read.src_blocks, read.dst_blocks, strict=True):
+            tag = producer.region[src]
+            # A READ still awaited must find its source pinned; one landing in
+            # quarantine may read reused blocks: its destination is discarded.
+            if tag != read.mm_hash and awaited:
+                self.violation(f"READ of {read.mm_hash}: source block {src} holds {tag}")
+                return
+            consumer.region[dst] = tag
+        self.reads_landed += 1
+        consumer.scheduler.on_read_done(read.mm_hash, read.transfer_id)
+
+    def _copy(self, engine: Engine, copy: CopyBlocks) -> None:
+        bounds = self.copy_delay
+        slow = self.faults.slow_save
+        if copy.direction == "save" and slow and self.rng.random() < slow:
+            bounds = (1.0, 6.0)
+            self.count("slow_saves")
+        when = self.clock.now + self._delay(bounds)
+        if copy.direction == "load":
+            for item in copy.items:
+                loads = engine.outstanding_loads
+                loads[item.mm_hash] = loads.get(item.mm_hash, 0) + 1
+
+        def land() -> None:
+            if not engine.alive:
+                return
+            if copy.direction == "save":
+                for item in copy.items:
+                    for block in item.blocks:
+                        engine.region[block] = item.mm_hash
+            else:
+                for item in copy.items:
+                    tags = {engine.region[b] for b in item.blocks}
+                    if tags != {item.mm_hash}:
+                        self.violation(f"{engine.name} load of {item.mm_hash} reads {tags}")
+            engine.worker.on_copy_done(copy.batch_id)
+
+        self.at(when, land)
+
+    # -- one engine step ---------------------------------------------------------------
+
+    def engine_step(self, engine: Engine, allocs: list[tuple[ECRequestInfo, str, int]]) -> None:
+        """Allocate, build the meta, run the worker, report back (one engine step)."""
+        if not engine.alive:
+            return
+        scheduler, worker = engine.scheduler, engine.worker
+        for request, mm_hash, tokens in allocs:
+            scheduler.update_state_after_alloc(request, mm_hash, tokens)
+        meta = scheduler.build_connector_meta()
+        worker.start_load_caches(meta)
+        worker.save_caches()
+        report = worker.build_connector_worker_meta()
+        for mm_hash in report.loaded + report.failed_loads:
+            engine.outstanding_loads[mm_hash] -= 1
+        scheduler.update_connector_output(report)
+        engine.failed.extend(scheduler.take_failed_requests())

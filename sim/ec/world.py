@@ -1,0 +1,656 @@
+"""A producer/consumer encoder-cache pair under one seeded scheduler (simulation only).
+
+`SimulatedECWorld` drives a real producer (`ec_producer`) and a real consumer
+(`ec_consumer`), both with P2P, over `SimECPlane`. Client requests arrive as a Poisson
+process; the proxy sends each one's encode leg to the producer (which saves the encoder
+output and publishes it from `request_finished`), then relays the publication to the
+consumer, sometimes with the media rewritten to a metadata-only reference (B-05). Every
+ordering decision (which engine steps, when the clock moves, which fault strikes) comes
+from the world's `random.Random(seed)`, so a run replays exactly from its seed.
+
+Faults (`SimFaults`): lost, late, duplicated and reordered control messages; a failed
+agent load (`handshake_fail`), failed and stalled READs; crash and restart of either
+process; partition and heal (a long one costs the ZMQ heartbeat, so both ends see a
+disconnect); clock jumps; eviction pressure on the producer; slow saves (NACK_NOT_READY);
+aborted consumer requests.
+
+Invariants are checked after every action: the pools, the eviction order and the entries
+agree (no block owned twice, no double free); every pin is accounted for (producer: one
+per live grant; consumer: one per hold and per load in flight); no grant outlives its
+lease; only ready entries are evicted; a READ lands only in blocks reserved for its
+encoding and, while awaited, reads a pinned source; a load reads its own encoding; a read
+falls back only for a reason the seed allows (NACK_NOT_READY only once the retries are
+spent) and quarantines only after a READ timeout or a disconnect; a request encodes
+locally only what it has media for, and fails only when it lost a rewritten encoding.
+
+A run ends with `settle` (faults off, heal, restart, the clock driven past every
+deadline), `probe` (a fresh encoding must be read remotely, from a restarted producer if
+it crashed), and `final_check` (no grant, pin, reserved or quarantined block, copy or
+message left; every request resolved).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvhandoff.machines.ec.consumer_read import CONSUMER_READ_KIND
+from kvhandoff.machines.ec.meta import ECRequestInfo
+from kvhandoff.machines.ec.producer_grant import GRANT_KIND
+from kvhandoff.machines.ec.request import REQUEST_KIND
+from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.protocol.ec_config import (
+    DEFAULT_CONSUMER_ACK_TIMEOUT_S,
+    DEFAULT_NIXL_READ_TIMEOUT_S,
+    DEFAULT_PIN_LEASE_S,
+    DEFAULT_READ_QUARANTINE_S,
+    DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S,
+)
+from kvhandoff.protocol.ec_status import NACKS, RETRYABLE_NACKS
+from kvhandoff.sim.ec.plane import Engine, SimECPlane
+from kvhandoff.sim.push.fabric import SimFaults
+from kvhandoff.sim.push.world import SimRunResult
+
+ECVariant = Callable[["SimulatedECWorld", Engine], None]
+
+META = {"grid": [1, 2, 2]}
+EPS = 1e-6
+READ_FALLBACKS = frozenset(
+    {str(s) for s in NACKS - RETRYABLE_NACKS} | {"ack_timeout", "peer_disconnected", "read_failed"}
+)
+QUARANTINE_REASONS = frozenset({"read_timeout", "peer_disconnected"})
+FINAL = ("completed", "failed", "lost", "aborted")
+
+
+@dataclass(frozen=True, slots=True)
+class ECSimSettings:
+    """The shape of a simulated encoder-cache run; timeouts are the connector defaults."""
+
+    requests: int = 16
+    encodings: int = 10  # distinct mm_hashes the clients draw from
+    max_tokens: int = 4  # blocks per encoding
+    producer_blocks: int = 20
+    consumer_blocks: int = 12
+    max_not_ready: int = 20  # consumer_max_not_ready_retries (the default is 1000)
+    rewrite_share: float = 0.25  # consumer legs whose media was rewritten (B-05)
+    mean_interarrival_s: float = 0.25
+    relay_s: tuple[float, float] = (0.0, 0.3)  # the proxy relays a publication
+    max_actions: int = 40_000
+    probes: int = 3
+
+    @property
+    def settle_span_s(self) -> float:
+        reads = (self.max_not_ready + 1) * DEFAULT_CONSUMER_ACK_TIMEOUT_S
+        return reads + DEFAULT_NIXL_READ_TIMEOUT_S + DEFAULT_READ_QUARANTINE_S + 100.0
+
+    def tokens(self, mm_hash: str) -> int:
+        """An encoding's size is a property of the media: the same on every leg."""
+        return 1 + sum(map(ord, mm_hash)) % self.max_tokens
+
+
+@dataclass(slots=True)
+class ECClient:
+    client_id: str
+    mm_hashes: tuple[str, ...]
+    probe: bool = False
+    request: ECRequestInfo | None = None  # the consumer leg, once relayed
+    relay_at: float = 0.0
+    consumer_epoch: int = 0
+    state: str = "relaying"  # relaying | waiting | completed | failed | lost | aborted
+    reason: str = ""
+
+    @property
+    def resolved(self) -> bool:
+        return self.state in FINAL
+
+
+class SimulatedECWorld:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        faults: SimFaults | None = None,
+        settings: ECSimSettings | None = None,
+        variant: ECVariant | None = None,
+        record: bool = False,
+        log_limit: int | None = 4000,
+    ) -> None:
+        self.seed = seed
+        self.settings = settings or ECSimSettings()
+        self.rng = random.Random(seed)
+        self.clock = VirtualClock(1000.0)
+        self.faults = faults or SimFaults.none()
+        self.variant = variant
+        self.recording = record
+        self.log: deque[str] = deque(maxlen=log_limit)
+        self.violations: list[str] = []
+        self.clients: dict[str, ECClient] = {}
+        self.reads_done: set[str] = set()
+        self.outcomes: dict[str, int] = {}  # how reads ended, for coverage reports
+        self.actions = 0
+        self._serial = 0
+        self._filler = 0
+        self.next_issue_at = self.clock.now
+        self.issuing = True
+        self.heal_at: float | None = None
+        self.restart_at: dict[str, float] = {}
+        self.plane = SimECPlane(
+            seed,
+            producer_blocks=self.settings.producer_blocks,
+            consumer_blocks=self.settings.consumer_blocks,
+            faults=self.faults,
+            net_delay=(0.01, 0.3),
+            copy_delay=(0.0, 0.5),
+            read_delay=(0.01, 1.0),
+            machine_config={"consumer_max_not_ready_retries": float(self.settings.max_not_ready)},
+            clock=self.clock,
+            rng=random.Random(self.rng.getrandbits(64)),
+            eviction_observer=self._evicting,
+            on_engine=self._attach,
+        )
+
+    # -- recording and observers ----------------------------------------------------------
+
+    def note(self, message: str) -> None:
+        if self.recording:
+            self.log.append(f"t={self.clock.now:.4f} {message}")
+
+    def violation(self, message: str) -> None:
+        self.violations.append(f"t={self.clock.now:.4f} {message}")
+
+    def _attach(self, engine: Engine) -> None:
+        bus = engine.scheduler.bus
+        if self.recording:
+            log = self.log
+            source = f"{engine.name}-{engine.epoch}"
+            bus.record(lambda line: log.append(f"{source} {line}"))
+        if engine.name == "consumer":
+            bus.on_retire(self._retired)
+        if self.variant is not None:
+            self.variant(self, engine)
+
+    def _evicting(self, engine: Engine, victim: str, _order: list[Any]) -> None:
+        state = engine.scheduler.cache.state(victim)
+        if state != "ready":
+            self.violation(f"{engine.name} evicts {victim} in state {state}")
+
+    def _retired(self, inst: Instance) -> None:
+        if inst.kind != CONSUMER_READ_KIND:
+            return
+        reason = inst.ctx.reason
+        spent = inst.ctx.not_ready >= self.settings.max_not_ready
+        outcome = f"read.{inst.state}" + (f".{reason}" if reason else "")
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if inst.ctx.not_ready:
+            self.outcomes["read.retried_not_ready"] = (
+                self.outcomes.get("read.retried_not_ready", 0) + 1
+            )
+        if inst.state == "done":
+            self.reads_done.add(inst.key)
+        elif inst.state == "fallback_local":
+            if reason not in READ_FALLBACKS and not (reason == "NACK_NOT_READY" and spent):
+                self.violation(f"read of {inst.key} fell back for {reason!r}")
+        elif inst.state == "released" and reason not in QUARANTINE_REASONS:
+            self.violation(f"read of {inst.key} quarantined for {reason!r}")
+
+    # -- client requests --------------------------------------------------------------------
+
+    def issue(self, *, probe: bool = False, mm_hash: str | None = None) -> ECClient:
+        """A client request: its encode leg runs on the producer now, and its consumer
+        leg arrives when the proxy relays the publication."""
+        self._serial += 1
+        client_id = f"cmpl-{self._serial:05d}-0"
+        if mm_hash is not None:
+            hashes: tuple[str, ...] = (mm_hash,)
+        else:
+            count = 1 if self.rng.random() < 0.7 else 2
+            picks = self.rng.sample(range(self.settings.encodings), count)
+            hashes = tuple(f"mm{i:02d}" for i in picks)
+        client = ECClient(client_id, hashes, probe=probe)
+        self.clients[client_id] = client
+        params = self._encode_leg(client_id, hashes)
+        rewrite = not probe and self.rng.random() < self.settings.rewrite_share
+        servable = frozenset(h for h, entry in params.items() if entry.get("metadata"))
+        client.request = ECRequestInfo(
+            client_id,
+            hashes,
+            ec_transfer_params=params,
+            metadata_only=servable if rewrite else frozenset(),
+        )
+        relay = 0.0 if probe else self.rng.uniform(*self.settings.relay_s)
+        client.relay_at = self.clock.now + relay
+        self.note(f"issue {client_id} {hashes} rewrite={rewrite} published={sorted(servable)}")
+        return client
+
+    def _encode_leg(self, client_id: str, hashes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        producer = self.plane.producer
+        if not producer.alive:
+            return {}  # the encode leg failed: the consumer encodes locally
+        req = ECRequestInfo(f"enc-{client_id}", hashes, mm_metadata={h: META for h in hashes})
+        allocs = [(req, h, self.settings.tokens(h)) for h in hashes]
+        self.plane.engine_step(producer, allocs)
+        return producer.scheduler.request_finished(req)
+
+    def eviction_pressure(self) -> None:
+        """A burst of unpublished encodings fills the producer's tier (FIFO evictions)."""
+        producer = self.plane.producer
+        if not producer.alive:
+            return
+        self.note("EVICTION PRESSURE")
+        allocs = []
+        for _ in range(self.rng.randint(2, 5)):
+            self._filler += 1
+            req = ECRequestInfo(f"filler-{self._filler}", (f"filler{self._filler}",))
+            allocs.append((req, f"filler{self._filler}", self.settings.max_tokens))
+        self.plane.engine_step(producer, allocs)
+        for req, _, _ in allocs:
+            producer.scheduler.request_finished(req)
+
+    # -- engine steps -------------------------------------------------------------------------
+
+    def consumer_step(self) -> None:
+        consumer = self.plane.consumer
+        if not consumer.alive:
+            return
+        scheduler = consumer.scheduler
+        allocs: list[tuple[ECRequestInfo, str, int]] = []
+        finished: list[ECRequestInfo] = []
+        for client in self._waiting():
+            req = client.request
+            assert req is not None
+            if client.state == "relaying":
+                client.state = "waiting"
+                client.consumer_epoch = consumer.epoch
+            if scheduler.ensure_cache_available(req):
+                for h in req.mm_hashes:
+                    if scheduler.has_cache_item(h):
+                        allocs.append((req, h, self.settings.tokens(h)))
+                finished.append(req)
+                self._resolve(client, "completed")
+                continue
+            inst = scheduler.bus.get(REQUEST_KIND, req.request_id)
+            if inst is not None and inst.state == "failed":
+                self._check_failure(req, inst)
+                scheduler.request_finished(req)
+                self._resolve(client, "failed", inst.ctx.failure)
+        self.plane.engine_step(consumer, allocs)
+        for req in finished:
+            scheduler.request_finished(req)
+
+    def _waiting(self) -> list[ECClient]:
+        now = self.clock.now
+        epoch = self.plane.consumer.epoch
+        return [
+            c
+            for c in self.clients.values()
+            if (c.state == "relaying" and c.relay_at <= now)
+            or (c.state == "waiting" and c.consumer_epoch == epoch)
+        ]
+
+    def _resolve(self, client: ECClient, state: str, reason: str = "") -> None:
+        client.state = state
+        client.reason = reason
+        self.note(f"{client.client_id} {state}{': ' + reason if reason else ''}")
+
+    def _check_failure(self, req: ECRequestInfo, inst: Instance) -> None:
+        lost_rewritten = any(h in inst.ctx.failure for h in req.metadata_only)
+        if not lost_rewritten and "malformed" not in inst.ctx.failure:
+            self.violation(f"{req.request_id} failed without losing a rewritten encoding")
+
+    def producer_step(self) -> None:
+        self.plane.engine_step(self.plane.producer, [])
+
+    def abort_one(self) -> None:
+        waiting = [c for c in self._waiting() if c.state == "waiting" and not c.probe]
+        consumer = self.plane.consumer
+        if not waiting or not consumer.alive:
+            return
+        client = self.rng.choice(waiting)
+        assert client.request is not None
+        consumer.scheduler.request_finished(client.request)
+        self._resolve(client, "aborted", "client went away")
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def crash(self, which: str, downtime: float) -> None:
+        plane = self.plane
+        engine = plane.producer if which == "producer" else plane.consumer
+        if not engine.alive:
+            return
+        self.note(f"CRASH {which}")
+        plane.crash(which)
+        self.restart_at[which] = self.clock.now + downtime
+        if which == "consumer":
+            for client in self.clients.values():
+                if client.state == "waiting" and client.consumer_epoch == engine.epoch:
+                    self._resolve(client, "lost", "consumer crashed")
+        # The survivor's ZMQ heartbeat notices within its timeout.
+        detect = self.rng.uniform(0.5, DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S)
+        self.plane.at(self.clock.now + detect, lambda: self._lost_peer(which, engine))
+
+    def _lost_peer(self, which: str, dead: Engine) -> None:
+        plane = self.plane
+        if which == "producer":
+            consumer = plane.consumer
+            if consumer.alive:
+                consumer.scheduler.on_peer_disconnected(dead.host, dead.port)
+        else:
+            producer = plane.producer
+            if producer.alive:
+                producer.scheduler.on_consumer_disconnected(dead.identity)
+
+    def restart(self, which: str) -> None:
+        self.note(f"RESTART {which}")
+        self.restart_at.pop(which, None)
+        self.plane.restart(which)
+
+    def partition(self, duration: float) -> None:
+        self.note("PARTITION")
+        self.plane.partition()
+        heal_at = self.heal_at = self.clock.now + duration
+
+        def heartbeat_lost() -> None:  # unless healed first (or a later partition's)
+            if self.plane.partitioned and self.heal_at == heal_at:
+                self.note("PARTITION costs the heartbeat: disconnect")
+                self.plane.disconnect()
+
+        self.plane.at(self.clock.now + DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S, heartbeat_lost)
+
+    def heal(self) -> None:
+        self.note("HEAL")
+        self.heal_at = None
+        self.plane.heal()
+
+    def clock_jump(self, seconds: float) -> None:
+        """The engines stall (no step, no arrival) while the clock leaps; the planes and
+        the machines' timers keep their own time meanwhile, in order: a DMA lands when it
+        lands, whatever the processes are doing (a raw jump would replay it late, against
+        memory the timers had already moved on)."""
+        self.note(f"CLOCK JUMP {seconds:.1f}")
+        self.plane.run_until(self.clock.now + seconds)
+
+    # -- the seeded scheduler -----------------------------------------------------------------
+
+    def run(self) -> SimRunResult:
+        while self.actions < self.settings.max_actions and not self.violations:
+            if self._serial >= self.settings.requests and self._all_resolved():
+                break
+            self.random_action()
+            self.check_invariants()
+        if self.violations:  # stop at the first broken rule: its log stays short
+            return self.final_check(settled=False)
+        self.settle()
+        self.probe()
+        self.settle()
+        return self.final_check()
+
+    def _all_resolved(self) -> bool:
+        return all(c.resolved for c in self.clients.values())
+
+    def random_action(self) -> None:
+        self.actions += 1
+        rng = self.rng
+        if self._maybe_fault(rng, self.faults):
+            return
+        choices: list[tuple[float, Callable[[], None]]] = []
+        now = self.clock.now
+        if self.issuing and self._serial < self.settings.requests and now >= self.next_issue_at:
+            choices.append((2.0, self._arrive))
+        plane = self.plane
+        waiting = bool(self._waiting())
+        consumer_busy = waiting or plane.consumer.worker.in_flight() > 0
+        choices.append((3.0 if consumer_busy else 0.3, self.consumer_step))
+        producer_busy = plane.producer.worker.in_flight() > 0
+        choices.append((3.0 if producer_busy else 0.3, self.producer_step))
+        choices.append((2.0, lambda: plane.advance(rng.expovariate(20.0))))
+        if not consumer_busy and not producer_busy:
+            choices.append((1.0, self._jump))
+        total = sum(w for w, _ in choices)
+        pick = rng.random() * total
+        for weight, action in choices:
+            pick -= weight
+            if pick <= 0:
+                action()
+                return
+        choices[-1][1]()
+
+    def _maybe_fault(self, rng: random.Random, faults: SimFaults) -> bool:
+        now = self.clock.now
+        for which, when in sorted(self.restart_at.items()):
+            if now >= when:
+                self.restart(which)
+                return True
+        if self.heal_at is not None and now >= self.heal_at:
+            self.heal()
+            return True
+        if faults.crash and rng.random() < faults.crash * 2:
+            self.crash(rng.choice(("producer", "consumer")), rng.uniform(0.5, 20.0))
+            return True
+        if faults.partition and self.heal_at is None and rng.random() < faults.partition * 2:
+            self.partition(rng.uniform(0.5, 30.0))
+            return True
+        if faults.clock_jump and rng.random() < faults.clock_jump:
+            self.clock_jump(rng.uniform(1.0, 45.0))
+            return True
+        if faults.eviction_pressure and rng.random() < faults.eviction_pressure:
+            self.eviction_pressure()
+            return True
+        if faults.abort and rng.random() < faults.abort:
+            self.abort_one()
+            return True
+        return False
+
+    def _arrive(self) -> None:
+        self.issue()
+        self.next_issue_at = self.clock.now + self.rng.expovariate(
+            1.0 / self.settings.mean_interarrival_s
+        )
+
+    def _next_scheduled(self) -> float | None:
+        times = [t for t in (self.plane.next_event(), self.heal_at) if t is not None]
+        times += self.restart_at.values()
+        times += [c.relay_at for c in self.clients.values() if c.state == "relaying"]
+        if self.issuing and self._serial < self.settings.requests:
+            times.append(self.next_issue_at)
+        return min(times, default=None)
+
+    def _jump(self) -> None:
+        when = self._next_scheduled()
+        target = self.clock.now + 1.0 if when is None else max(when, self.clock.now + 1e-4)
+        self.plane.run_until(target)
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.violations.extend(self.plane.violations)
+        self.plane.violations.clear()
+        plane, now = self.plane, self.clock.now
+        for engine in plane.engines():
+            if not engine.alive:
+                continue
+            try:
+                engine.scheduler.cache.check()
+            except AssertionError as exc:
+                self.violation(f"{engine.name} pool and entries disagree: {exc}")
+        producer = plane.producer
+        if producer.alive:
+            grants: dict[str, int] = {}
+            for grant in producer.scheduler.bus.instances(GRANT_KIND):
+                if grant.state != "granted":
+                    continue
+                granted_at = plane.grant_times.get(grant.key, now)
+                if now - granted_at > DEFAULT_PIN_LEASE_S + EPS:
+                    self.violation(f"grant {grant.key} outlives its lease")
+                grants[grant.ctx.mm_hash] = grants.get(grant.ctx.mm_hash, 0) + 1
+            for entry in producer.scheduler.cache.entries():
+                if entry.ctx.pins != grants.get(entry.key, 0):
+                    self.violation(
+                        f"producer {entry.key} has {entry.ctx.pins} pins for "
+                        f"{grants.get(entry.key, 0)} live grants"
+                    )
+        consumer = plane.consumer
+        if consumer.alive:
+            self._check_consumer(consumer)
+
+    def _check_consumer(self, consumer: Engine) -> None:
+        bus = consumer.scheduler.bus
+        held: dict[str, int] = {}
+        for request in bus.instances(REQUEST_KIND):
+            for h in request.ctx.held:
+                held[h] = held.get(h, 0) + 1
+            if request.state != "failed" and set(request.ctx.local) & request.ctx.metadata_only:
+                self.violation(f"{request.key} encodes locally without media")
+        for entry in consumer.scheduler.cache.entries():
+            expected = held.get(entry.key, 0) + consumer.outstanding_loads.get(entry.key, 0)
+            if entry.ctx.pins != expected:
+                self.violation(f"consumer {entry.key} has {entry.ctx.pins} pins, {expected} owed")
+        for read in bus.instances(CONSUMER_READ_KIND):
+            if read.state in ("xfer_req_sent", "reading", "quarantined"):
+                if read.timer is None:
+                    self.violation(f"read of {read.key} in {read.state} has no deadline")
+            elif read.ctx.not_ready > self.settings.max_not_ready:
+                self.violation(f"read of {read.key} retried past the bound")
+
+    # -- the end of a run -----------------------------------------------------------------------
+
+    def quiesce(self, rounds: int = 50) -> None:
+        for _ in range(rounds):
+            before = (self.plane.in_flight(), len(self._waiting()))
+            self.producer_step()
+            self.consumer_step()
+            self.plane.run_until(self.clock.now)
+            if before == (self.plane.in_flight(), len(self._waiting())):
+                return
+
+    def run_for(self, seconds: float) -> None:
+        end = self.clock.now + seconds
+        while not self.violations:
+            self.quiesce()
+            self.check_invariants()
+            when = self._next_scheduled()
+            if when is None or when > end:
+                return
+            self.plane.run_until(max(when, self.clock.now + 1e-4))
+
+    def settle(self) -> None:
+        """Faults off, heal, restart; then drive the clock past every deadline."""
+        self.issuing = False
+        self.faults = SimFaults.none()
+        self.plane.faults = self.faults
+        if self.heal_at is not None:
+            self.heal()
+        for which in sorted(self.restart_at):
+            self.restart(which)
+        self.run_for(self.settings.settle_span_s)
+
+    def probe(self) -> None:
+        """A fresh encoding, every fault off: the consumer must read it from the producer."""
+        for attempt in range(self.settings.probes):
+            mm_hash = f"probe{attempt}"
+            saved_by = self.clock.now + 5.0
+            client = self.issue(probe=True, mm_hash=mm_hash)
+            while self.plane.producer.scheduler.cache.state(mm_hash) == "allocated":
+                if self.clock.now > saved_by:
+                    break
+                self.producer_step()
+                self.plane.advance(0.05)
+            deadline = self.clock.now + self.settings.settle_span_s
+            while not client.resolved and self.clock.now < deadline and not self.violations:
+                self.quiesce()
+                if not client.resolved:
+                    self._jump()
+            if client.state == "completed" and mm_hash in self.reads_done:
+                return
+        self.violation(f"no recovery: probe {client.client_id} ended {client.state}")
+
+    def final_check(self, *, settled: bool = True) -> SimRunResult:
+        """Count what is left; after `settle`, anything left is a leak or a hang."""
+        plane = self.plane
+        leftovers: dict[str, dict[str, int]] = {}
+        producer, consumer = plane.producer, plane.consumer
+        leftovers["producer"] = {
+            "live_grants": sum(1 for _ in producer.scheduler.bus.instances(GRANT_KIND)),
+            "pinned_entries": _pinned(producer),
+            "unsaved_entries": _allocated(producer),
+            "copies_in_flight": producer.worker.in_flight(),
+        }
+        leftovers["consumer"] = {
+            "live_reads": sum(1 for _ in consumer.scheduler.bus.instances(CONSUMER_READ_KIND)),
+            "live_requests": sum(1 for _ in consumer.scheduler.bus.instances(REQUEST_KIND)),
+            "pinned_entries": _pinned(consumer),
+            "reserved_entries": _allocated(consumer),
+            "copies_in_flight": consumer.worker.in_flight(),
+            "loads_in_flight": sum(consumer.outstanding_loads.values()),
+        }
+        leftovers["network"] = {"in_flight": plane.in_flight()}
+        leaked = hung = completed = failed = requests = 0
+        for role, tables in leftovers.items():
+            for name, size in list(tables.items()):
+                if not size or not settled:
+                    del tables[name]
+                    continue
+                if name in ("live_reads", "live_requests"):
+                    hung += size
+                else:
+                    leaked += size
+                self.violation(f"{role} {name} holds {size} after all deadlines")
+        for client in self.clients.values():
+            if not client.probe:
+                requests += 1
+            if not client.resolved:
+                if settled:
+                    hung += 1
+                    self.violation(f"{client.client_id} unresolved: {client.state}")
+            elif not client.probe:
+                if client.state == "completed":
+                    completed += 1
+                else:
+                    failed += 1
+        counters = dict(plane.counters)
+        for engine in plane.engines():
+            for name, value in engine.scheduler.counters().items():
+                counters[f"{engine.name}.{name}"] = value
+        counters.update(self.outcomes)
+        counters["reads_started"] = plane.reads_started
+        counters["reads_landed"] = plane.reads_landed
+        return SimRunResult(
+            seed=self.seed,
+            requests=requests,
+            completed=completed,
+            failed_cleanly=failed,
+            leaked=leaked,
+            hung=hung,
+            violations=list(self.violations),
+            actions=self.actions,
+            sim_seconds=self.clock.now - 1000.0,
+            leftovers={k: v for k, v in leftovers.items() if v},
+            counters=counters,
+        )
+
+    def terms_of(self, violations: list[str]) -> set[str]:
+        """The client ids and mm_hashes the first violations name (for an event log)."""
+        terms: set[str] = set()
+        for client in self.clients.values():
+            if any(client.client_id in v for v in violations[:3]):
+                terms.add(client.client_id)
+                terms.update(client.mm_hashes)
+        for i in range(self.settings.encodings):
+            name = f"mm{i:02d}"
+            if any(name in v for v in violations[:3]):
+                terms.add(name)
+        return terms
+
+
+def _pinned(engine: Engine) -> int:
+    return sum(1 for e in engine.scheduler.cache.entries() if e.ctx.pins)
+
+
+def _allocated(engine: Engine) -> int:
+    return sum(1 for e in engine.scheduler.cache.entries() if e.state == "allocated")
+
+
+__all__ = ["ECClient", "ECSimSettings", "ECVariant", "SimulatedECWorld"]

@@ -1,0 +1,1 @@
+"""src/kvhandoff/soak"""
