@@ -1,199 +1,287 @@
-"""Framework core: compiled runtime, event bus, clock and timers (issue 2, items 4-6)."""
+"""Framework core: compiled runtime, event bus, time as an argument, timers, tags, peer
+events (runtime v2)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.compiled import Instance
-from kvhandoff.machines.runtime.effects import ExtendDeadline
+from kvhandoff.machines.runtime.declaration import Declaration, Timeout
+from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.machines.runtime.recording import read_log, replay
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
-from core_example import LEASE, Released
+from core_example import (
+    LEASE,
+    Chain,
+    Heartbeat,
+    LeaseCtx,
+    Released,
+    StartWrite,
+    WriteDone,
+)
 
-KIND = LEASE.name
 
-
-def make_bus(**config: float) -> tuple[EventBus, VirtualClock]:
-    clock = VirtualClock()
-    bus = EventBus(clock)
+def make_bus(**config: float) -> EventBus:
+    bus = EventBus()
     bus.register(LEASE, config or None)
-    return bus, clock
+    return bus
+
+
+def new(bus: EventBus, key: Any, now: float = 0.0, blocks: list[int] | None = None) -> Any:
+    return bus.create(LEASE, LeaseCtx(key, list(blocks or [])), now)
 
 
 def test_core_instances_share_one_table() -> None:
-    bus, _ = make_bus()
-    a = bus.create(KIND, "a")
-    b = bus.create(KIND, "b")
+    bus = make_bus()
+    a = new(bus, "a")
+    b = new(bus, "b")
     assert a.node is b.node
     assert a.machine is b.machine
     assert not hasattr(a, "__dict__"), "an instance is a slotted record"
 
 
-def test_core_undeclared_event_names_machine_state_and_event() -> None:
-    bus, _ = make_bus()
-    bus.create(KIND, "r1")
-    with pytest.raises(LocalProtocolError, match=r"'example.lease'.*'write_done'.*'finished'"):
-        bus.dispatch(KIND, "r1", "write_done")
-    assert bus.get(KIND, "r1") is not None
-    assert bus.counters(KIND).errors == 1
+def test_core_undeclared_local_event_names_machine_state_and_event() -> None:
+    bus = make_bus()
+    new(bus, "r1")
+    with pytest.raises(LocalProtocolError, match=r"'example.lease'.*'chain'.*'finished'"):
+        bus.dispatch(LEASE, "r1", Chain(), 0.0)
+    assert bus.get(LEASE, "r1") is not None
+    assert bus.counters(LEASE).errors == 1
+
+
+def test_core_undeclared_peer_event_is_a_remote_error_that_changes_nothing() -> None:
+    """A peer provoking an event the state does not declare cannot crash the engine with
+    a local error, and the instance, its timer and its counters of transitions stay put."""
+    bus = make_bus()
+    inst = new(bus, "r1")
+    deadline = bus.deadline_of(LEASE, "r1")
+    with pytest.raises(RemoteProtocolError, match=r"'write_done'.*'finished'"):
+        bus.dispatch(LEASE, "r1", WriteDone(), 1.0)
+    with pytest.raises(RemoteProtocolError, match="no live instance 'ghost'"):
+        bus.dispatch(LEASE, "ghost", WriteDone(), 1.0)
+    assert inst.state == "finished" and bus.deadline_of(LEASE, "r1") == deadline
+    counters = bus.counters(LEASE)
+    assert (counters.rejected, counters.errors, counters.transitions) == (2, 0, 0)
 
 
 def test_core_guard_picks_alternative_and_action_returns_effects() -> None:
-    bus, _ = make_bus()
-    bus.create(KIND, "with", blocks=[1, 2])
-    bus.create(KIND, "without")
-    bus.dispatch(KIND, "with", "start_write")
-    bus.dispatch(KIND, "without", "start_write")
-    assert bus.get(KIND, "with").state == "writing"  # type: ignore[union-attr]
-    assert bus.get(KIND, "without") is None, "dropped is final: the instance retired"
-    bus.dispatch(KIND, "with", "write_done")
+    bus = make_bus()
+    new(bus, "with", blocks=[1, 2])
+    new(bus, "without")
+    bus.dispatch(LEASE, "with", StartWrite(), 0.0)
+    bus.dispatch(LEASE, "without", StartWrite(), 0.0)
+    assert bus.has_tag(LEASE, "with", "in_flight")
+    assert bus.get(LEASE, "without") is None, "dropped is final: the instance retired"
+    bus.dispatch(LEASE, "with", WriteDone(), 0.0)
     effects = [effect for _, effect in bus.drain_outbox()]
     assert effects == [Released((1, 2))]
     assert bus.metrics == {"released": 1.0}
 
 
 def test_core_registered_handler_executes_effects() -> None:
-    bus, _ = make_bus()
+    bus = make_bus()
     seen: list[tuple[Any, Released]] = []
     bus.handle(Released, lambda inst, effect: seen.append((inst.key, effect)))
-    bus.create(KIND, "r", blocks=[7])
-    bus.dispatch(KIND, "r", "start_write")
-    bus.dispatch(KIND, "r", "write_done")
+    new(bus, "r", blocks=[7])
+    bus.dispatch(LEASE, "r", StartWrite(), 0.0)
+    bus.dispatch(LEASE, "r", WriteDone(), 0.0)
     assert seen == [("r", Released((7,)))]
     assert bus.outbox == []
 
 
 def test_core_timeout_armed_on_entry_and_cancelled_on_exit() -> None:
-    bus, clock = make_bus(kv_lease_duration=10.0)
-    bus.create(KIND, "r", blocks=[1])
-    assert bus.deadline_of(KIND, "r") == 10.0
-    clock.advance(4.0)
-    bus.dispatch(KIND, "r", "start_write")
-    assert bus.deadline_of(KIND, "r") == 9.0, "writing arms its own 5 s timeout"
-    bus.dispatch(KIND, "r", "write_done")
-    clock.advance(100.0)
-    assert bus.fire_due() == 0, "the exited state's timers are cancelled"
+    bus = make_bus(kv_lease_duration=10.0)
+    new(bus, "r", blocks=[1])
+    assert bus.deadline_of(LEASE, "r") == 10.0
+    bus.dispatch(LEASE, "r", StartWrite(), 4.0)
+    assert bus.deadline_of(LEASE, "r") == 9.0, "writing arms its own 5 s timeout"
+    bus.dispatch(LEASE, "r", WriteDone(), 4.0)
+    assert bus.fire_due(104.0) == 0, "the exited state's timers are cancelled"
+
+
+def test_core_dispatch_fires_due_timeouts_before_applying_the_event() -> None:
+    """Time is an argument: an event arriving after a deadline meets the expired state,
+    never the state the timeout should already have left."""
+    bus = make_bus(kv_lease_duration=10.0)
+    retired: list[str] = []
+    bus.on_retire(lambda inst: retired.append(f"{inst.key}:{inst.state}"))
+    new(bus, "late", blocks=[1])
+    new(bus, "other", now=5.0)
+    with pytest.raises(LocalProtocolError, match="no live instance 'late'"):
+        bus.dispatch(LEASE, "late", StartWrite(), 10.5)
+    assert retired == ["late:expired"], "the lease expired at 10.0, before the write"
+    new(bus, "fresh", now=12.0)
+    assert retired == ["late:expired"], "create fires only what is due"
+    assert bus.deadline_of(LEASE, "fresh") == 22.0
+    assert bus.now == 12.0
+
+
+def test_core_time_never_goes_backwards() -> None:
+    bus = make_bus(kv_lease_duration=10.0)
+    new(bus, "a", now=5.0)
+    new(bus, "b", now=3.0)  # an older `now` counts as the latest seen
+    assert bus.deadline_of(LEASE, "b") == 15.0
+    assert bus.now == 5.0
 
 
 def test_core_timers_fire_in_deadline_order_not_arming_order() -> None:
-    bus, clock = make_bus()
+    bus = make_bus()
     order: list[str] = []
     bus.on_retire(lambda inst: order.append(f"{inst.key}:{inst.state}"))
-    bus.create(KIND, "late")  # deadline 30
-    clock.advance(1.0)
-    bus.create(KIND, "early", blocks=[1])
-    bus.dispatch(KIND, "early", "start_write")  # deadline 6
-    bus.create(KIND, "renewed")  # deadline 31, renewed below to 1 + 20 + 20
-    clock.advance(20.0)
-    bus.dispatch(KIND, "renewed", "heartbeat")  # max(31, 21 + 20) = 41
+    new(bus, "late")  # deadline 30
+    new(bus, "early", now=1.0, blocks=[1])
+    bus.dispatch(LEASE, "early", StartWrite(), 1.0)  # deadline 6
+    new(bus, "renewed", now=1.0)  # deadline 31, renewed below to 21 + 20
+    bus.dispatch(LEASE, "renewed", Heartbeat(), 5.9)  # max(31, 25.9) = 31
     assert bus.next_deadline() == 6.0
-    clock.advance(100.0)
-    assert bus.fire_due() == 3
+    assert bus.fire_due(5.9) == 0
+    bus.dispatch(LEASE, "renewed", Heartbeat(), 21.0)  # early expired first; 41
+    assert order == ["early:expired"]
+    assert bus.fire_due(121.0) == 2
     assert order == ["early:expired", "late:expired", "renewed:expired"]
 
 
 def test_core_extend_deadline_keeps_the_later_deadline() -> None:
-    bus, clock = make_bus(kv_lease_duration=30.0)
-    bus.create(KIND, "r")
-    bus.dispatch(KIND, "r", "heartbeat")  # max(30, 0 + 20) = 30
-    assert bus.deadline_of(KIND, "r") == 30.0
-    clock.advance(25.0)
-    bus.dispatch(KIND, "r", "heartbeat")
-    assert bus.deadline_of(KIND, "r") == 45.0
+    bus = make_bus(kv_lease_duration=30.0)
+    new(bus, "r")
+    bus.dispatch(LEASE, "r", Heartbeat(), 0.0)  # max(30, 0 + 20) = 30
+    assert bus.deadline_of(LEASE, "r") == 30.0
+    bus.dispatch(LEASE, "r", Heartbeat(), 25.0)
+    assert bus.deadline_of(LEASE, "r") == 45.0
 
 
 def test_core_ignored_event_changes_nothing() -> None:
-    bus, _ = make_bus()
-    bus.create(KIND, "r", blocks=[1])
-    bus.dispatch(KIND, "r", "start_write")
-    bus.dispatch(KIND, "r", "heartbeat")
-    assert bus.get(KIND, "r").state == "writing"  # type: ignore[union-attr]
-    assert bus.counters(KIND).ignored == 1
+    bus = make_bus()
+    new(bus, "r", blocks=[1])
+    bus.dispatch(LEASE, "r", StartWrite(), 0.0)
+    bus.dispatch(LEASE, "r", Heartbeat(), 0.0)
+    assert bus.has_tag(LEASE, "r", "in_flight")
+    assert bus.counters(LEASE).ignored == 1
+
+
+def test_core_tags_answer_queries_and_unknown_tags_raise() -> None:
+    bus = make_bus()
+    new(bus, "a", blocks=[1])
+    new(bus, "b")
+    bus.dispatch(LEASE, "a", StartWrite(), 0.0)
+    assert [i.key for i in bus.tagged(LEASE, "in_flight")] == ["a"]
+    assert [i.key for i in bus.tagged(LEASE, "leased")] == ["b"]
+    assert not bus.has_tag(LEASE, "gone", "leased"), "no live instance: no tag"
+    assert LEASE.states_tagged("in_flight") == {"writing"}
+    for query in (
+        lambda: bus.tagged(LEASE, "leasd"),
+        lambda: bus.has_tag(LEASE, "a", "leasd"),
+        lambda: bus.has_tag(LEASE, "gone", "leasd"),
+    ):
+        with pytest.raises(LocalProtocolError, match="declares no state tag 'leasd'"):
+            query()
 
 
 def test_core_run_to_completion_queues_self_events() -> None:
-    bus, _ = make_bus()
-    bus.create(KIND, "r", blocks=[1])
-    bus.dispatch(KIND, "r", "start_write")
-    bus.dispatch(KIND, "r", "chain")  # emits write_done to itself while busy
-    assert bus.get(KIND, "r") is None
+    bus = make_bus()
+    new(bus, "r", blocks=[1])
+    bus.dispatch(LEASE, "r", StartWrite(), 0.0)
+    bus.dispatch(LEASE, "r", Chain(), 0.0)  # emits WriteDone to itself while busy
+    assert bus.get(LEASE, "r") is None
     assert [e for _, e in bus.drain_outbox()] == [Released((1,))]
 
 
 def test_core_one_instances_error_never_touches_another() -> None:
-    bus, _ = make_bus()
-    errors: list[tuple[Any, str]] = []
-    bus.on_error = lambda inst, event, exc: errors.append((inst.key, event))
-    bus.create(KIND, "good", blocks=[1])
-    bus.create(KIND, "bad", blocks=[1])
-    bus.dispatch(KIND, "good", "start_write")
-    bus.dispatch(KIND, "bad", "start_write")
-    bad = bus.get(KIND, "bad")
+    bus = make_bus()
+    errors: list[tuple[Any, str, str]] = []
+    bus.on_error = lambda inst, event, exc: errors.append(
+        (inst.key, event.trigger, type(exc).__name__)
+    )
+    new(bus, "good", blocks=[1])
+    new(bus, "bad", blocks=[1])
+    bus.dispatch(LEASE, "good", StartWrite(), 0.0)
+    bus.dispatch(LEASE, "bad", StartWrite(), 0.0)
+    bad = bus.get(LEASE, "bad")
     assert bad is not None
     # Queue an illegal event behind a legal one on "bad" by delivering while busy.
     bad.busy = True
-    bus.dispatch(KIND, "bad", "start_write")  # illegal in writing: queued
-    bus.dispatch(KIND, "bad", "write_done")
+    bus.dispatch(LEASE, "bad", StartWrite(), 0.0)  # illegal in writing: queued
+    bus.dispatch(LEASE, "bad", WriteDone(), 0.0)
+    bus.dispatch(LEASE, "bad", WriteDone(), 0.0)  # a peer's duplicate, after the end
     bad.busy = False
-    bus.dispatch(KIND, "bad", "heartbeat")  # ignored in writing; drains the queue
-    assert errors == [("bad", "start_write")]
-    assert bus.get(KIND, "good").state == "writing"  # type: ignore[union-attr]
-    assert bus.get(KIND, "bad") is None
+    bus.dispatch(LEASE, "bad", Heartbeat(), 0.0)  # ignored in writing; drains the queue
+    assert errors == [
+        ("bad", "start_write", "LocalProtocolError"),
+        ("bad", "write_done", "RemoteProtocolError"),
+    ]
+    assert bus.has_tag(LEASE, "good", "in_flight")
+    assert bus.get(LEASE, "bad") is None
 
 
 def test_core_counters_per_kind() -> None:
-    bus, clock = make_bus()
+    bus = make_bus()
     for key in range(3):
-        bus.create(KIND, key, blocks=[key + 1])
-    bus.dispatch(KIND, 0, "start_write")
-    bus.dispatch(KIND, 0, "write_done")
-    clock.advance(31.0)
-    bus.fire_due()
-    c = bus.counters(KIND)
+        new(bus, key, blocks=[key + 1])
+    bus.dispatch(LEASE, 0, StartWrite(), 0.0)
+    bus.dispatch(LEASE, 0, WriteDone(), 0.0)
+    bus.fire_due(31.0)
+    c = bus.counters(LEASE)
     assert (c.created, c.retired, c.live) == (3, 3, 0)
     assert c.transitions == 4 and c.events == 4
 
 
 def test_core_unknown_instance_or_kind_is_local_error() -> None:
-    bus, _ = make_bus()
+    bus = make_bus()
     with pytest.raises(LocalProtocolError, match="no live instance 'x'"):
-        bus.dispatch(KIND, "x", "start_write")
-    with pytest.raises(LocalProtocolError, match="'nope' is not registered"):
-        bus.dispatch("nope", "x", "start_write")
-    bus.create(KIND, "x")
+        bus.dispatch(LEASE, "x", StartWrite(), 0.0)
+    other = _span_declaration()
+    with pytest.raises(LocalProtocolError, match=r"'t\.span' is not registered"):
+        bus.dispatch(other, "x", Next(), 0.0)
+    new(bus, "x")
     with pytest.raises(LocalProtocolError, match="already exists"):
-        bus.create(KIND, "x")
+        new(bus, "x")
 
 
 def test_core_recording_is_json_lines_and_replays() -> None:
-    bus, clock = make_bus()
+    bus = make_bus()
     lines: list[str] = []
     bus.record(lines.append)
-    bus.create(KIND, "r")
-    clock.advance(31.0)
-    bus.fire_due()
+    new(bus, "r")
+    bus.dispatch(LEASE, "r", Heartbeat(), 25.0)  # the lease now ends at 45
+    bus.fire_due(50.0)
     records = read_log(lines)
-    assert [(r["event"], r["from"], r["to"]) for r in records] == [
-        ("__create__", "finished", "finished"),
-        ("lease_expired", "finished", "expired"),
-    ]
-    assert set(json.loads(lines[1])) == {"t", "kind", "key", "event", "from", "to", "effects"}
-    fresh_clock = VirtualClock()
-    fresh = EventBus(fresh_clock)
+    assert [(r["t"], r["event"], r["from"], r["to"]) for r in records] == [
+        (0.0, "__create__", "finished", "finished"),
+        (25.0, "heartbeat", "finished", "finished"),
+        (45.0, "lease_expired", "finished", "expired"),
+    ], "a timeout is recorded at its deadline, not when the caller came back"
+    assert set(json.loads(lines[1])) == {
+        "t",
+        "kind",
+        "key",
+        "event",
+        "fields",
+        "from",
+        "to",
+        "effects",
+    }
+    fresh = EventBus()
     fresh.register(LEASE)
-    assert replay(records, fresh, fresh_clock) == []
-    assert fresh.counters(KIND).retired == 1
+    assert replay(records, fresh, [LEASE]) == []
+    assert fresh.counters(LEASE).retired == 1
+    tampered = [dict(r) for r in records]
+    tampered[1]["event"] = "start_write"  # no blocks: the guard sends it to dropped
+    assert replay(tampered, make_bus(), [LEASE]) == [
+        "example.lease 'r': 'start_write' led to dropped, log says finished",
+        "example.lease 'r': cannot deliver 'lease_expired'",
+    ]
 
 
 def test_core_recording_off_by_default_and_fast_path_restored() -> None:
-    bus, _ = make_bus()
-    machine = bus.machine(KIND)
+    bus = make_bus()
+    machine = bus.machine(LEASE)
     plain_before = [r.plain for r in machine.routes]
     bus.record(lambda line: None)
     assert not any(r.plain for r in machine.routes)
@@ -202,86 +290,128 @@ def test_core_recording_off_by_default_and_fast_path_restored() -> None:
 
 
 def test_core_timer_compaction_keeps_live_timers() -> None:
-    bus, clock = make_bus()
-    live: list[Instance] = []
+    bus = make_bus()
+    live: list[Instance[LeaseCtx]] = []
     for key in range(5000):
-        inst = bus.create(KIND, key, blocks=[1])
-        bus.dispatch(KIND, key, "start_write")  # cancels lease timer, arms 5 s
+        inst = new(bus, key, blocks=[1])
+        bus.dispatch(LEASE, key, StartWrite(), 0.0)  # cancels lease timer, arms 5 s
         if key % 2:
-            bus.dispatch(KIND, key, "write_done")
+            bus.dispatch(LEASE, key, WriteDone(), 0.0)
         else:
             live.append(inst)
     queued = sum(len(queue) for queue in bus._timer_queues.values())
     assert queued < 3 * len(live) + 2048, "cancelled timers are dropped, not kept forever"
-    clock.advance(6.0)
-    assert bus.fire_due() == len(live)
+    assert bus.fire_due(6.0) == len(live)
     assert all(inst.state == "expired" for inst in live)
 
 
-def test_core_equal_timeout_spans_states() -> None:
-    """A transition between states declaring an equal Timeout keeps the armed deadline."""
-    from kvhandoff.machines.runtime.declaration import Declaration, Timeout
+@dataclass(slots=True)
+class KeyCtx:
+    key: Any
 
-    watchdog = Timeout("ttl", "expired", "watchdog")
-    decl = Declaration(
+
+@dataclass(frozen=True, slots=True)
+class Next(Event):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Watchdog(Event):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Other(Event):
+    pass
+
+
+def _span_declaration() -> Declaration[KeyCtx]:
+    watchdog = Timeout("ttl", "expired", Watchdog)
+    return Declaration(
         name="t.span",
+        context=KeyCtx,
         states=[
             {"name": "a", "timeout": watchdog},
             {"name": "b", "timeout": watchdog},
-            {"name": "c", "timeout": Timeout(100.0, "expired", "other")},
+            {"name": "c", "timeout": Timeout(100.0, "expired", Other)},
             {"name": "expired", "final": True},
         ],
         initial="a",
         transitions=[
-            {"trigger": "next", "source": "a", "dest": "b"},
-            {"trigger": "next", "source": "b", "dest": "c"},
+            {"trigger": Next, "source": "a", "dest": "b"},
+            {"trigger": Next, "source": "b", "dest": "c"},
         ],
         config_defaults={"ttl": 10.0},
     )
-    clock = VirtualClock()
-    bus = EventBus(clock)
+
+
+def test_core_equal_timeout_spans_states() -> None:
+    """A transition between states declaring an equal Timeout keeps the armed deadline."""
+    decl = _span_declaration()
+    bus = EventBus()
     bus.register(decl)
-    bus.create("t.span", 1)
-    clock.advance(6.0)
-    bus.dispatch("t.span", 1, "next")
-    assert bus.deadline_of("t.span", 1) == 10.0, "the watchdog is not re-armed"
-    bus.dispatch("t.span", 1, "next")
-    assert bus.deadline_of("t.span", 1) == 106.0, "a different timeout is armed afresh"
+    bus.create(decl, KeyCtx(1), 0.0)
+    bus.dispatch(decl, 1, Next(), 6.0)
+    assert bus.deadline_of(decl, 1) == 10.0, "the watchdog is not re-armed"
+    bus.dispatch(decl, 1, Next(), 6.0)
+    assert bus.deadline_of(decl, 1) == 106.0, "a different timeout is armed afresh"
+
+
+@dataclass(frozen=True, slots=True)
+class GoLong(Event):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class GoShort(Event):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Extend(Event):
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Expire(Event):
+    pass
+
+
+def extend(ctx: KeyCtx, event: Extend) -> list[Effect]:
+    return [ExtendDeadline(event.seconds)]
 
 
 def test_core_timers_of_different_durations_fire_in_deadline_order() -> None:
     """One queue per duration: `fire_due` merges their heads, so a short timeout armed
     after a long one still fires first, and ExtendDeadline moves a timer between queues."""
-    from kvhandoff.machines.runtime.declaration import Declaration, Timeout
-
     fired: list[str] = []
     decl = Declaration(
         name="t.durations",
+        context=KeyCtx,
         states=[
             "idle",
-            {"name": "long", "timeout": Timeout(10.0, "done", "timeout")},
-            {"name": "short", "timeout": Timeout(1.0, "done", "timeout")},
+            {"name": "long", "timeout": Timeout(10.0, "done", Expire)},
+            {"name": "short", "timeout": Timeout(1.0, "done", Expire)},
             {"name": "done", "final": True},
         ],
         initial="idle",
         transitions=[
-            {"trigger": "go_long", "source": "idle", "dest": "long"},
-            {"trigger": "go_short", "source": "idle", "dest": "short"},
-            {"trigger": "extend", "source": "short", "dest": None, "after": "extend"},
+            {"trigger": GoLong, "source": "idle", "dest": "long"},
+            {"trigger": GoShort, "source": "idle", "dest": "short"},
+            {"trigger": Extend, "source": "short", "dest": None, "after": "extend"},
         ],
-        callbacks={"extend": lambda inst, payload: [ExtendDeadline(payload)]},
+        callbacks={"extend": extend},
     )
-    clock = VirtualClock()
-    bus = EventBus(clock)
+    bus = EventBus()
     bus.register(decl)
     bus.on_retire(lambda inst: fired.append(inst.key))
-    for key, event in (("a", "go_long"), ("b", "go_short"), ("c", "go_short")):
-        bus.create("t.durations", key)
-        bus.dispatch("t.durations", key, event)
-        clock.advance(0.1)
-    bus.dispatch("t.durations", "c", "extend", 20.0)  # c: now 20 s from t=0.3
+    now = 0.0
+    for key, event in (("a", GoLong()), ("b", GoShort()), ("c", GoShort())):
+        bus.create(decl, KeyCtx(key), now)
+        bus.dispatch(decl, key, event, now)
+        now += 0.1
+    bus.dispatch(decl, "c", Extend(20.0), now)  # c: now 20 s from t=0.3
     assert bus.next_deadline() == pytest.approx(1.1)  # b (short, armed at 0.1)
-    clock.advance(100.0)
-    assert bus.fire_due() == 3
+    assert bus.fire_due(100.0) == 3
     assert fired == ["b", "a", "c"], "deadline order: 1.1, 10.0, 20.3"
     assert bus.next_deadline() is None

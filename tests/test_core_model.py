@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.declaration import Declaration
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.machines.runtime.effects import Effect
+from kvhandoff.machines.runtime.events import Event
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.testing import (
     TransitionCoverage,
     machine_test_case,
@@ -20,7 +21,7 @@ from kvhandoff.testing import (
     to_transitions_machine,
 )
 
-from core_example import LEASE
+from core_example import LEASE, Chain, LeaseCtx, StartWrite
 
 EXAMPLE_CONTEXT = st.lists(st.integers(0, 9), max_size=2)
 
@@ -37,14 +38,14 @@ TestExampleLeaseModel = machine_test_case(LEASE, context=FIELDS).TestCase
 
 def test_core_coverage_report_names_missing_transitions() -> None:
     coverage = TransitionCoverage(LEASE)
-    coverage.add([("finished", "start_write", "writing")])
+    coverage.add([("finished", StartWrite.trigger, "writing")])
     with pytest.raises(AssertionError, match=r"never: writing --write_done--> sent"):
         coverage.assert_complete()
 
 
 def test_core_user_invariant_failure_is_reported() -> None:
     def never_writing(inst: Any) -> None:
-        assert inst.state != "writing", "writing reached"
+        assert not inst.has("in_flight"), "writing reached"
 
     with pytest.raises(AssertionError, match="writing reached"):
         run_model_test(
@@ -58,39 +59,40 @@ def test_core_user_invariant_failure_is_reported() -> None:
 
 class _Model:
     def __init__(self, blocks: list[int]) -> None:
-        self.ctx = _Ctx(blocks)
+        self.ctx = LeaseCtx("k", blocks)
         self.state = ""
-
-
-class _Ctx:
-    def __init__(self, blocks: list[int]) -> None:
-        self.blocks = blocks
-        self.writes = 0
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     blocks=EXAMPLE_CONTEXT,
     # "chain" emits a follow-up event through an effect, which the reference does not run.
-    events=st.lists(st.sampled_from(sorted(LEASE.triggers - {"chain"})), max_size=12),
+    events=st.lists(
+        st.sampled_from(sorted(LEASE.events - {Chain}, key=lambda e: e.trigger)), max_size=12
+    ),
 )
-def test_core_differential_against_transitions(blocks: list[int], events: list[str]) -> None:
+def test_core_differential_against_transitions(
+    blocks: list[int], events: list[type[Event]]
+) -> None:
     """The compiled runtime and a transitions.Machine agree after any event sequence."""
     _differential(LEASE, blocks, events)
 
 
-def _differential(decl: Declaration, blocks: list[int], events: list[str]) -> None:
-    bus = EventBus(VirtualClock())
+def _differential(
+    decl: Declaration[LeaseCtx], blocks: list[int], events: list[type[Event]]
+) -> None:
+    bus = EventBus()
     bus.register(decl)
-    bus.handle(object, lambda inst, effect: None)
-    inst = bus.create(decl.name, "k", blocks=list(blocks))
+    bus.handle(Effect, lambda inst, effect: None)
+    inst = bus.create(decl, LeaseCtx("k", list(blocks)), 0.0)
     reference = _Model(list(blocks))
     to_transitions_machine(decl, reference)
-    for event in events:
+    for cls in events:
         if inst.node.final:
             break
-        ours_ok = _try(lambda e=event: bus.dispatch(decl.name, "k", e))
-        theirs_ok = _try(lambda e=event: reference.trigger(e, payload=None))
+        event = cls()
+        ours_ok = _try(lambda e=event: bus.dispatch(decl, "k", e, 0.0))
+        theirs_ok = _try(lambda e=event: reference.trigger(e.trigger, event=e))
         assert inst.state == reference.state, (event, inst.state, reference.state)
         assert ours_ok == theirs_ok, event
 
@@ -100,6 +102,6 @@ def _try(call: Any) -> bool:
 
     try:
         result = call()
-    except (LocalProtocolError, MachineError):
+    except (LocalProtocolError, RemoteProtocolError, MachineError):
         return False
     return result is not False

@@ -1,18 +1,31 @@
-"""The event bus: routes events to instances, runs transitions, timers and effects.
+"""The event bus: routes typed events to instances, runs transitions, timers and effects.
 
-The bus owns every live instance of the kinds registered on it, keyed by (kind, key).
-`dispatch` is the hot path: one index lookup, one table lookup, the state change, the
-timer arm or cancel, and the action if the route has one. Delivery is run-to-completion:
-an event raised for an instance that is still handling one is queued on that instance
-and delivered after it; an error while draining one instance's queue is counted and
-reported, never thrown into another instance's handling.
+The bus owns every live instance of the kinds registered on it, keyed by (declaration,
+key); the declaration object is the kind's handle, so `bus.get(D_REGISTRATION, key)`
+returns an `Instance[DRegistrationCtx]`. `dispatch(kind, key, event, now)` is the hot
+path: fire what is due at `now`, one index lookup, one table lookup by event class, the
+state change, the timer arm or cancel, and the action if the route has one.
 
-Timers live in one FIFO per timeout duration on the injected clock, which never goes
-backwards: deadlines armed with one duration are therefore already in order, so arming
-is an append (no heap), and `fire_due` merges the heads of the few queues to deliver
-what is due in deadline order. Cancelled entries are dropped lazily; the queues are
-compacted when they could hold more dead entries than live ones. No thread per timer and
-no clock read inside a machine.
+Time is an argument (aioquic's `handle_timer(now)`): the bus never reads a clock. Every
+entry point that changes state takes `now`, and before it applies anything the bus
+delivers every timeout due at `now`, in deadline order. `now` never goes backwards: an
+earlier value than one already seen is taken as the latest seen. `next_deadline()` says
+when the caller should come back.
+
+Delivery is run-to-completion: an event raised for an instance that is still handling
+one is queued on that instance and delivered after it; an error while draining one
+instance's queue is counted and reported, never thrown into another instance's handling.
+
+Events from peers (`PeerEvent`) that the current state does not declare, or that name no
+live instance, raise `RemoteProtocolError` and change nothing; local misuse raises
+`LocalProtocolError`. Code outside the machines asks declared state tags (`has_tag`,
+`tagged`), never state names.
+
+Timers live in one FIFO per timeout duration: `now` never goes backwards, so deadlines
+armed with one duration are already in order, arming is an append (no heap), and firing
+merges the heads of the few queues. Cancelled entries (those their instance no longer
+holds) are dropped lazily; the queues are compacted when they could hold more dead
+entries than live ones.
 
 The bus is single-threaded: one thread owns it; other threads hand work over through
 the inboxes of the adapters.
@@ -22,24 +35,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvhandoff.machines.runtime.clock import Clock, real_clock
-from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Node, Route
+from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Node, Route, TimerEntry
 from kvhandoff.machines.runtime.declaration import Declaration
-from kvhandoff.machines.runtime.effects import Emit, ExtendDeadline, Metric
+from kvhandoff.machines.runtime.effects import Effect, Emit, ExtendDeadline, Metric
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.machines.runtime.recording import TransitionRecorder
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger("kvhandoff.bus")
 
-E = TypeVar("E")
+C = TypeVar("C")
+E = TypeVar("E", bound=Effect)
 EffectHandler = Callable[[Any, Any], None]
 """`handler(instance or None, effect)`: None when an API call, not an instance, emitted it."""
-ErrorHook = Callable[[Instance, str, BaseException], None]
+ErrorHook = Callable[[Instance[Any], Event, BaseException], None]
 
 _MIN_COMPACT = 1024
 
@@ -49,6 +64,7 @@ class KindCounters:
     events: int
     transitions: int
     ignored: int
+    rejected: int
     errors: int
     created: int
     retired: int
@@ -58,72 +74,104 @@ class KindCounters:
 class EventBus:
     """Instances of declared machines, their timers, and the execution of their effects."""
 
-    def __init__(self, clock: Clock = real_clock) -> None:
-        self.clock = clock
-        self.outbox: list[tuple[Instance | None, object]] = []
+    def __init__(self) -> None:
+        self.outbox: list[tuple[Instance[Any] | None, Effect]] = []
         self.metrics: dict[str, float] = {}
         self.on_error: ErrorHook = _log_error
-        self._machines: dict[str, CompiledMachine] = {}
-        self._index: dict[str, dict[Any, Instance]] = {}
-        self._timer_queues: dict[float, deque[list[Any]]] = {}  # by duration, in order
+        self._now = -math.inf
+        self._next_due = math.inf  # never later than the earliest live deadline
+        self._delivering = False
+        self._machines: dict[Declaration[Any], CompiledMachine[Any]] = {}
+        self._by_name: dict[str, CompiledMachine[Any]] = {}
+        self._index: dict[Declaration[Any], dict[Hashable, Instance[Any]]] = {}  # hot path
+        self._timer_queues: dict[float, deque[TimerEntry]] = {}  # by duration, in order
         self._serials = itertools.count()
         self._compact_at = _MIN_COMPACT
         self._recorder: TransitionRecorder | None = None
-        self._retire_hooks: list[Callable[[Instance], None]] = []
+        self._retire_hooks: list[Callable[[Instance[Any]], None]] = []
         self._handlers: dict[type, EffectHandler] = {
             Emit: self._emit,
             ExtendDeadline: self._extend_deadline,
             Metric: self._metric,
         }
 
+    @property
+    def now(self) -> float:
+        """The latest time this bus was given (-inf before the first)."""
+        return self._now
+
     # -- kinds and instances -------------------------------------------------------------
 
     def register(
-        self, decl: Declaration, config: Mapping[str, float] | None = None
-    ) -> CompiledMachine:
+        self, decl: Declaration[C], config: Mapping[str, float] | None = None
+    ) -> CompiledMachine[C]:
         """Compile `decl` under `config` once; every instance of the kind shares it."""
-        if decl.name in self._machines:
+        if decl in self._machines or decl.name in self._by_name:
             raise LocalProtocolError(f"machine {decl.name!r} is already registered")
         machine = CompiledMachine(decl, config)
         machine.set_fast_path(self._recorder is None)
         for node in machine.nodes.values():
             if node.timeout_seconds is not None:
                 node.timer_queue = self._timer_queue(node.timeout_seconds)
-        self._machines[decl.name] = machine
-        self._index[decl.name] = {}
+        self._machines[decl] = machine
+        self._by_name[decl.name] = machine
+        self._index[decl] = machine.index
         return machine
 
-    def machine(self, kind: str) -> CompiledMachine:
+    def machine(self, kind: Declaration[C]) -> CompiledMachine[C]:
         try:
             return self._machines[kind]
         except KeyError:
-            raise LocalProtocolError(f"machine {kind!r} is not registered") from None
+            raise LocalProtocolError(f"machine {kind.name!r} is not registered") from None
 
-    def create(self, kind: str, key: Any, **fields: Any) -> Instance:
-        """A new instance of `kind` in its initial state; its context gets `fields`."""
+    def machine_named(self, name: str) -> CompiledMachine[Any]:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise LocalProtocolError(f"machine {name!r} is not registered") from None
+
+    def create(self, kind: Declaration[C], ctx: C, now: float) -> Instance[C]:
+        """A new instance of `kind` for `ctx` (keyed by `ctx.key`) in its initial state."""
+        self._advance(now)
         machine = self.machine(kind)
-        index = self._index[kind]
+        key: Hashable = ctx.key  # type: ignore[attr-defined]  # checked by the declaration
+        index = machine.index
         if key in index:
-            raise LocalProtocolError(f"machine {kind!r}: instance {key!r} already exists")
-        inst = Instance(machine, key, machine.new_context(fields), next(self._serials))
+            raise LocalProtocolError(f"machine {kind.name!r}: instance {key!r} already exists")
+        inst = Instance(machine, key, ctx, next(self._serials))
         index[key] = inst
         machine.created += 1
         if machine.initial.timeout_seconds is not None:
             self._arm(inst, machine.initial.timeout_seconds)
         if self._recorder is not None:
-            self._recorder.created(self.clock(), inst)
+            self._recorder.created(self._now, inst)
         return inst
 
-    def get(self, kind: str, key: Any) -> Instance | None:
-        return self._index[kind].get(key) if kind in self._index else None
+    def get(self, kind: Declaration[C], key: Hashable) -> Instance[C] | None:
+        machine = self._machines.get(kind)
+        return None if machine is None else machine.index.get(key)
 
-    def instances(self, kind: str) -> Iterator[Instance]:
-        return iter(list(self._index[self.machine(kind).name].values()))
+    def instances(self, kind: Declaration[C]) -> list[Instance[C]]:
+        """A snapshot of the live instances of `kind`, in creation order."""
+        return list(self.machine(kind).index.values())
 
-    def live(self, kind: str) -> int:
-        return len(self._index[kind])
+    def tagged(self, kind: Declaration[C], tag: str) -> list[Instance[C]]:
+        """The live instances of `kind` whose state carries the declared `tag`."""
+        kind.check_tag(tag)
+        return [inst for inst in self.machine(kind).index.values() if tag in inst.node.tags]
 
-    def on_retire(self, hook: Callable[[Instance], None]) -> None:
+    def has_tag(self, kind: Declaration[C], key: Hashable, tag: str) -> bool:
+        """Whether (kind, key) is live and its state carries the declared `tag`."""
+        inst = self.get(kind, key)
+        if inst is None:
+            kind.check_tag(tag)
+            return False
+        return inst.has(tag)
+
+    def live(self, kind: Declaration[Any]) -> int:
+        return len(self.machine(kind).index)
+
+    def on_retire(self, hook: Callable[[Instance[Any]], None]) -> None:
         """Call `hook(instance)` when an instance reaches a final state and leaves the bus."""
         self._retire_hooks.append(hook)
 
@@ -133,7 +181,7 @@ class EventBus:
         """Execute effects of `effect_type` with `handler(instance, effect)`."""
         self._handlers[effect_type] = handler
 
-    def execute(self, *effects: object) -> None:
+    def execute(self, *effects: Effect) -> None:
         """Execute effects that no instance emitted (an API call's own, e.g. a wake-up)."""
         for effect in effects:
             handler = self._handlers.get(type(effect))
@@ -142,62 +190,76 @@ class EventBus:
             else:
                 handler(None, effect)
 
-    def drain_outbox(self) -> list[tuple[Instance | None, object]]:
+    def drain_outbox(self) -> list[tuple[Instance[Any] | None, Effect]]:
         """Effects no handler was registered for, in emission order."""
         out, self.outbox = self.outbox, []
         return out
 
     # -- the hot path ----------------------------------------------------------------------
 
-    def dispatch(self, kind: str, key: Any, event: str, payload: Any = None) -> None:
-        """Deliver `event` to (kind, key): run-to-completion, errors raised to the caller."""
+    def dispatch(self, kind: Declaration[Any], key: Hashable, event: Event, now: float) -> None:
+        """Deliver `event` to (kind, key) at `now`: due timeouts first, then the event."""
+        if now > self._now:
+            self._advance(now)
         try:
             inst = self._index[kind][key]
         except KeyError:
             raise self._unknown(kind, key, event) from None
-        route = inst.node.on.get(event)
-        if route is None or not route.plain or inst.busy:
+        route = inst.node.fast.get(event.__class__)
+        if route is None or inst.busy:
             if inst.busy:
-                self._enqueue(inst, event, payload)
+                self._enqueue(inst, event)
             else:
-                self._deliver(inst, event, payload)
+                self._deliver(inst, event)
             return
         # The plain route: no guard, no action, not into a final state, no timeout carried
         # over (it cancels the old timer and arms the new state's own). Kept flat on
         # purpose; `_step` is the general form of the same change.
+        # A timer entry is live while its instance still holds it: replacing `inst.timer`
+        # cancels the old one.
         route.count += 1
         dest: Node = route.dest  # type: ignore[assignment]  # plain routes have a dest
         inst.node = dest
-        timer = inst.timer
-        if timer is not None:
-            timer[2] = False
         queue = dest.timer_queue
         if queue is None:
             inst.timer = None
         else:
-            entry = [self.clock() + dest.timeout_seconds, inst, True]  # type: ignore[operator]
+            deadline = self._now + dest.timeout_seconds  # type: ignore[operator]
+            inst.timer = entry = (deadline, inst)
             queue.append(entry)
-            inst.timer = entry
+            if deadline < self._next_due:
+                self._next_due = deadline
             if len(queue) > self._compact_at:
                 self._compact()
 
-    def _deliver(self, inst: Instance, event: str, payload: Any) -> None:
+    def _advance(self, now: float) -> None:
+        """Move the bus's time to `now`, delivering what falls due first. A call nested in
+        a delivery keeps the step's time: its timeouts wait for the next top-level call."""
+        if now > self._now and not self._delivering:
+            if now >= self._next_due:
+                self.fire_due(now)
+            self._now = now
+
+    def _deliver(self, inst: Instance[Any], event: Event) -> None:
+        outer = self._delivering
+        self._delivering = True
         try:
-            self._step(inst, event, payload)
+            self._step(inst, event)
         finally:
             if inst.queue:
                 self._drain(inst)
             if inst.node.final:
                 self._retire(inst)
+            self._delivering = outer
 
-    def _step(self, inst: Instance, event: str, payload: Any) -> None:
+    def _step(self, inst: Instance[Any], event: Event) -> None:
         node = inst.node
-        route = node.on.get(event)
+        route = node.on.get(event.__class__)
         if route is None:
             self._unhandled(inst, event)
             return
         if route.alternatives:
-            route = self._choose(inst, route, event, payload)
+            route = self._choose(inst, route, event)
         route.count += 1
         dest = route.dest
         if dest is not None:
@@ -212,62 +274,71 @@ class EventBus:
         if action is not None:
             inst.busy = True
             try:
-                effects = action(inst, payload)
+                effects = action(inst.ctx, event)
                 if effects:
                     self._execute(inst, effects)
             finally:
                 inst.busy = False
         if self._recorder is not None:
-            self._recorder.transition(self.clock(), inst, event, route.edge, effects)
+            self._recorder.transition(self._now, inst, event, route.edge, effects)
 
-    def _unhandled(self, inst: Instance, event: str) -> None:
+    def _unhandled(self, inst: Instance[Any], event: Event) -> None:
         machine = inst.machine
-        if event in inst.node.ignored:
+        if event.__class__ in inst.node.ignored:
             machine.ignored_count += 1
             return
-        machine.error_count += 1
-        raise LocalProtocolError(
-            f"machine {machine.name!r}: event {event!r} is not declared in state "
+        message = (
+            f"machine {machine.name!r}: event {event.trigger!r} is not declared in state "
             f"{inst.node.name!r} (instance {inst.key!r})"
         )
+        if event.from_peer:
+            machine.rejected_count += 1
+            raise RemoteProtocolError(message)
+        machine.error_count += 1
+        raise LocalProtocolError(message)
 
-    def _choose(self, inst: Instance, route: Route, event: str, payload: Any) -> Route:
-        chosen = route.choose(inst, payload)
+    def _choose(self, inst: Instance[Any], route: Route, event: Event) -> Route:
+        chosen = route.choose(inst.ctx, event)
         if chosen is None:
-            inst.machine.error_count += 1
-            raise LocalProtocolError(
-                f"machine {inst.machine.name!r}: no guard admits event {event!r} in state "
-                f"{inst.node.name!r} (instance {inst.key!r})"
+            message = (
+                f"machine {inst.machine.name!r}: no guard admits event {event.trigger!r} in "
+                f"state {inst.node.name!r} (instance {inst.key!r})"
             )
+            if event.from_peer:
+                inst.machine.rejected_count += 1
+                raise RemoteProtocolError(message)
+            inst.machine.error_count += 1
+            raise LocalProtocolError(message)
         return chosen
 
-    def _enqueue(self, inst: Instance, event: str, payload: Any) -> None:
+    def _enqueue(self, inst: Instance[Any], event: Event) -> None:
         if inst.queue is None:
             inst.queue = deque()
-        inst.queue.append((event, payload))
+        inst.queue.append(event)
 
-    def _drain(self, inst: Instance) -> None:
+    def _drain(self, inst: Instance[Any]) -> None:
         queue = inst.queue
         while queue and not inst.node.final:
-            event, payload = queue.popleft()
+            event = queue.popleft()
             try:
-                self._step(inst, event, payload)
+                self._step(inst, event)
             except Exception as exc:  # one instance's error stays with it
                 self._report(inst, event, exc)
         if queue and inst.node.final:
-            for event, _payload in list(queue):
+            for event in list(queue):
                 self._report(inst, event, self._late(inst, event))
             queue.clear()
 
-    def _late(self, inst: Instance, event: str) -> LocalProtocolError:
-        if event in inst.node.ignored:
+    def _late(self, inst: Instance[Any], event: Event) -> KvHandoffError:
+        if event.__class__ in inst.node.ignored:
             inst.machine.ignored_count += 1
-        return LocalProtocolError(
-            f"machine {inst.machine.name!r}: event {event!r} arrived after instance "
+        message = (
+            f"machine {inst.machine.name!r}: event {event.trigger!r} arrived after instance "
             f"{inst.key!r} finished in {inst.node.name!r}"
         )
+        return RemoteProtocolError(message) if event.from_peer else LocalProtocolError(message)
 
-    def _execute(self, inst: Instance, effects: Iterable[object]) -> None:
+    def _execute(self, inst: Instance[Any], effects: Iterable[Effect]) -> None:
         handlers = self._handlers
         for effect in effects:
             handler = handlers.get(type(effect))
@@ -276,8 +347,8 @@ class EventBus:
             else:
                 handler(inst, effect)
 
-    def _retire(self, inst: Instance) -> None:
-        index = self._index[inst.machine.name]
+    def _retire(self, inst: Instance[Any]) -> None:
+        index = inst.machine.index
         if index.get(inst.key) is not inst:
             return
         del index[inst.key]
@@ -287,64 +358,72 @@ class EventBus:
         for hook in self._retire_hooks:
             hook(inst)
 
-    def _report(self, inst: Instance, event: str, exc: BaseException) -> None:
-        if not isinstance(exc, LocalProtocolError):
+    def _report(self, inst: Instance[Any], event: Event, exc: BaseException) -> None:
+        if not isinstance(exc, KvHandoffError):
             inst.machine.error_count += 1
         self.on_error(inst, event, exc)
 
-    def _unknown(self, kind: str, key: Any, event: str) -> LocalProtocolError:
-        if kind not in self._index:
-            return LocalProtocolError(f"machine {kind!r} is not registered (event {event!r})")
-        return LocalProtocolError(f"machine {kind!r}: no live instance {key!r} (event {event!r})")
+    def _unknown(self, kind: Declaration[Any], key: Hashable, event: Event) -> KvHandoffError:
+        if kind not in self._machines:
+            return LocalProtocolError(
+                f"machine {kind.name!r} is not registered (event {event.trigger!r})"
+            )
+        message = f"machine {kind.name!r}: no live instance {key!r} (event {event.trigger!r})"
+        if event.from_peer:
+            self._machines[kind].rejected_count += 1
+            return RemoteProtocolError(message)
+        return LocalProtocolError(message)
 
     # -- built-in effects ----------------------------------------------------------------
 
-    def _emit(self, source: Instance, effect: Emit) -> None:
-        target = self._index.get(effect.kind, {}).get(effect.key)
+    def _emit(self, source: Instance[Any], effect: Emit) -> None:
+        machine = self._machines.get(effect.kind)
+        target = None if machine is None else machine.index.get(effect.key)
         if target is None:
             source.machine.error_count += 1
             self._report(source, effect.event, self._unknown(effect.kind, effect.key, effect.event))
         elif target.busy:
-            self._enqueue(target, effect.event, effect.payload)
+            self._enqueue(target, effect.event)
         else:
             try:
-                self._deliver(target, effect.event, effect.payload)
+                self._deliver(target, effect.event)
             except Exception as exc:  # the target's error is not the emitter's
                 self._report(target, effect.event, exc)
 
-    def _extend_deadline(self, inst: Instance, effect: ExtendDeadline) -> None:
+    def _extend_deadline(self, inst: Instance[Any], effect: ExtendDeadline) -> None:
         timer = inst.timer
         if timer is None:
             raise LocalProtocolError(
                 f"machine {inst.machine.name!r}: ExtendDeadline in state {inst.node.name!r}, "
                 "which arms no timeout"
             )
-        wanted = self.clock() + effect.seconds
+        wanted = self._now + effect.seconds
         if wanted > timer[0]:
             self._cancel(inst, timer)
             self._arm(inst, effect.seconds)
 
-    def _metric(self, inst: Instance, effect: Metric) -> None:
+    def _metric(self, inst: Instance[Any] | None, effect: Metric) -> None:
         self.metrics[effect.name] = self.metrics.get(effect.name, 0.0) + effect.value
 
     # -- timers --------------------------------------------------------------------------
 
-    def _timer_queue(self, seconds: float) -> deque[list[Any]]:
+    def _timer_queue(self, seconds: float) -> deque[TimerEntry]:
         queue = self._timer_queues.get(seconds)
         if queue is None:
             queue = self._timer_queues[seconds] = deque()
         return queue
 
-    def _arm(self, inst: Instance, seconds: float) -> None:
+    def _arm(self, inst: Instance[Any], seconds: float) -> None:
         queue = self._timer_queue(seconds)
-        entry = [self.clock() + seconds, inst, True]
+        deadline = self._now + seconds
+        inst.timer = entry = (deadline, inst)
         queue.append(entry)
-        inst.timer = entry
+        if deadline < self._next_due:
+            self._next_due = deadline
         if len(queue) > self._compact_at:
             self._compact()
 
-    def _cancel(self, inst: Instance, timer: list[Any]) -> None:
-        timer[2] = False
+    def _cancel(self, inst: Instance[Any], timer: TimerEntry) -> None:
         inst.timer = None
 
     def _compact(self) -> None:
@@ -352,48 +431,63 @@ class EventBus:
         nodes hold their queues)."""
         longest = 0
         for queue in self._timer_queues.values():
-            live = [entry for entry in queue if entry[2]]
+            live = [entry for entry in queue if entry[1].timer is entry]
             queue.clear()
             queue.extend(live)
             longest = max(longest, len(live))
         self._compact_at = max(_MIN_COMPACT, 2 * longest)
 
-    def _earliest(self) -> deque[list[Any]] | None:
+    def _earliest(self) -> deque[TimerEntry] | None:
         """The queue whose head is the earliest live deadline (dead heads dropped)."""
-        best: deque[list[Any]] | None = None
+        best: deque[TimerEntry] | None = None
         for queue in self._timer_queues.values():
-            while queue and not queue[0][2]:
+            while queue and queue[0][1].timer is not queue[0]:
                 queue.popleft()
             if queue and (best is None or queue[0][0] < best[0][0]):
                 best = queue
         return best
 
-    def deadline_of(self, kind: str, key: Any) -> float | None:
-        inst = self._index[kind].get(key)
+    def deadline_of(self, kind: Declaration[Any], key: Hashable) -> float | None:
+        inst = self.get(kind, key)
         return None if inst is None or inst.timer is None else float(inst.timer[0])
 
     def next_deadline(self) -> float | None:
-        """The earliest armed deadline, or None when no timer is armed."""
+        """The earliest armed deadline, or None when no timer is armed (aioquic's
+        `get_timer`): the caller comes back with `fire_due(now)` by then."""
         queue = self._earliest()
         return None if queue is None else float(queue[0][0])
 
-    def fire_due(self, now: float | None = None) -> int:
-        """Deliver every timeout whose deadline is at or before `now`, in deadline order."""
-        now = self.clock() if now is None else now
+    def fire_due(self, now: float) -> int:
+        """Deliver every timeout whose deadline is at or before `now`, in deadline order.
+
+        Each timeout runs at its own deadline (the bus's time steps through them), so
+        what it arms or extends counts from when it was due, not from when the caller
+        came back: the outcome does not depend on how often `fire_due` is called.
+        """
         fired = 0
-        while True:
-            queue = self._earliest()
-            if queue is None or queue[0][0] > now:
-                break
-            _deadline, inst, _live = queue.popleft()
-            inst.timer = None
-            trigger = inst.node.timeout_trigger
-            assert trigger is not None, "only nodes with a timeout arm timers"
-            fired += 1
-            try:
-                self._deliver(inst, trigger, None)
-            except Exception as exc:  # a timeout's failure belongs to its instance
-                self._report(inst, trigger, exc)
+        outer = self._delivering
+        self._delivering = True  # a timeout's action never re-enters the firing loop
+        try:
+            while True:
+                queue = self._earliest()
+                if queue is None or queue[0][0] > now:
+                    self._next_due = math.inf if queue is None else queue[0][0]
+                    break
+                deadline, inst = queue.popleft()
+                if deadline > self._now:
+                    self._now = deadline
+                inst.timer = None
+                event = inst.node.timeout_event
+                assert event is not None, "only nodes with a timeout arm timers"
+                fired += 1
+                try:
+                    self._deliver(inst, event)
+                except Exception as exc:  # a timeout's failure belongs to its instance
+                    self._report(inst, event, exc)
+        finally:
+            self._delivering = outer
+        if now > self._now:
+            self._now = now
         return fired
 
     # -- observation ---------------------------------------------------------------------
@@ -404,22 +498,23 @@ class EventBus:
         for machine in self._machines.values():
             machine.set_fast_path(sink is None)
 
-    def counters(self, kind: str) -> KindCounters:
+    def counters(self, kind: Declaration[Any]) -> KindCounters:
         m = self.machine(kind)
         transitions = m.transition_count
         return KindCounters(
-            events=transitions + m.ignored_count + m.error_count,
+            events=transitions + m.ignored_count + m.rejected_count + m.error_count,
             transitions=transitions,
             ignored=m.ignored_count,
+            rejected=m.rejected_count,
             errors=m.error_count,
             created=m.created,
             retired=m.retired,
-            live=len(self._index[kind]),
+            live=len(m.index),
         )
 
     def kinds(self) -> list[str]:
-        return sorted(self._machines)
+        return sorted(self._by_name)
 
 
-def _log_error(inst: Instance, event: str, exc: BaseException) -> None:
-    log.warning("%s %r: event %r failed: %s", inst.machine.name, inst.key, event, exc)
+def _log_error(inst: Instance[Any], event: Event, exc: BaseException) -> None:
+    log.warning("%s %r: event %r failed: %s", inst.machine.name, inst.key, event.trigger, exc)

@@ -1,20 +1,19 @@
-"""Injected clocks. Machines never read time; the runtime asks the clock it was given."""
+"""Time as an input. Machines never read a clock: every entry point takes `now`.
+
+`Clock` is what the edges (adapters, the simulator, tests) read `now` from; the
+production clock lives in `kvhandoff.adapters.clock`. The bus only ever sees the numbers.
+"""
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 
 class Clock(Protocol):
-    """Seconds as a float, never going backwards (the bus keeps its timers in per-duration
-    queues that rely on it): `time.monotonic`, or a `VirtualClock`."""
+    """Seconds as a float, never going backwards (the bus keeps its timers in
+    per-duration queues that rely on it): `time.monotonic`, or a `VirtualClock`."""
 
     def __call__(self) -> float: ...
-
-
-real_clock: Clock = time.monotonic
-"""Monotonic seconds: the clock of production runs (the C function itself, no wrapper)."""
 
 
 class VirtualClock:

@@ -1,6 +1,6 @@
 """A declaration compiled once into an O(1) dispatch table.
 
-Each state becomes a `Node` whose `on` dict maps an event straight to a `Route`
+Each state becomes a `Node` whose `on` dict maps an event class straight to a `Route`
 (destination node, action, guard chain). Every instance of a kind shares these nodes;
 an `Instance` is a slotted record holding only its node, key, context, its one armed
 timer and its run-to-completion queue. A route counts how often it was taken, which is
@@ -10,43 +10,54 @@ the transition coverage and the per-kind counters at no extra cost.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
 
-from kvhandoff.machines.runtime.declaration import (
-    Action,
-    Declaration,
-    Guard,
-    Timeout,
-    TransitionDecl,
-)
+from kvhandoff.machines.runtime.declaration import Declaration, Timeout, TransitionDecl
+from kvhandoff.machines.runtime.effects import Effect
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.errors import LocalProtocolError
+
+C = TypeVar("C")
+
+Guard = Callable[[Any, Any], bool]
+"""`guard(ctx, event) -> bool`; the declaration checked the real signature."""
+Action = Callable[[Any, Any], "list[Effect] | None"]
+"""`action(ctx, event) -> effects`; runs after the state has changed."""
+TimerEntry = tuple[float, "Instance[Any]"]
+"""`(deadline, instance)`: one armed timer in its duration's FIFO, live while the
+instance holds this very tuple as its `timer`."""
 
 
 class Node:
-    """A compiled state: its outgoing routes, ignored events and timeout."""
+    """A compiled state: its outgoing routes, ignored events, tags and timeout."""
 
     __slots__ = (
+        "fast",
         "final",
         "ignored",
         "name",
         "on",
+        "tags",
         "timeout",
+        "timeout_event",
         "timeout_seconds",
-        "timeout_trigger",
         "timer_queue",
     )
 
-    def __init__(self, name: str, final: bool) -> None:
+    def __init__(self, name: str, final: bool, tags: frozenset[str]) -> None:
         self.name = name
         self.final = final
-        self.on: dict[str, Route] = {}
-        self.ignored: frozenset[str] = frozenset()
+        self.tags = tags
+        self.on: dict[type[Event], Route] = {}
+        # The plain routes of `on` (see Route.plain), which the bus runs on its fast path.
+        self.fast: dict[type[Event], Route] = {}
+        self.ignored: frozenset[type[Event]] = frozenset()
         self.timeout: Timeout | None = None
         self.timeout_seconds: float | None = None
-        self.timeout_trigger: str | None = None
+        self.timeout_event: Event | None = None
         # The bus's queue of timers of this duration (set when the machine is registered).
-        self.timer_queue: deque[list[Any]] | None = None
+        self.timer_queue: deque[TimerEntry] | None = None
 
     def __repr__(self) -> str:
         return f"<Node {self.name}>"
@@ -91,38 +102,40 @@ class Route:
             dest is not None and source.timeout is not None and source.timeout == dest.timeout
         )
 
-    def choose(self, instance: Instance, payload: Any) -> Route | None:
+    def choose(self, ctx: object, event: Event) -> Route | None:
         """The first guarded alternative whose conditions hold and `unless` guards do not."""
         for conditions, unless, route in self.alternatives:
-            if all(g(instance, payload) for g in conditions) and not any(
-                g(instance, payload) for g in unless
-            ):
+            if all(g(ctx, event) for g in conditions) and not any(g(ctx, event) for g in unless):
                 return route
         return None
 
 
-class Instance:
+class Instance(Generic[C]):
     """One live lifecycle: a slotted record shared-nothing with its siblings."""
 
     __slots__ = ("busy", "ctx", "key", "machine", "node", "queue", "serial", "timer")
 
-    def __init__(self, machine: CompiledMachine, key: Any, ctx: Any, serial: int = 0) -> None:
+    def __init__(self, machine: CompiledMachine[C], key: Hashable, ctx: C, serial: int) -> None:
         self.machine = machine
         self.serial = serial
         self.key = key
         self.ctx = ctx
         self.node = machine.initial
-        self.timer: list[Any] | None = None
+        self.timer: TimerEntry | None = None
         self.busy = False
-        self.queue: deque[tuple[str, Any]] | None = None
+        self.queue: deque[Event] | None = None
+
+    def has(self, tag: str) -> bool:
+        """Whether the current state carries the declared `tag` (an undeclared tag raises)."""
+        if tag in self.node.tags:
+            return True
+        self.machine.decl.check_tag(tag)
+        return False
 
     @property
     def state(self) -> str:
+        """The state's name, for logs and reports; decisions ask `has(tag)`."""
         return self.node.name
-
-    def __lt__(self, other: Instance) -> bool:
-        """Orders timer-heap entries with equal deadlines: creation order."""
-        return self.serial < other.serial
 
     @property
     def kind(self) -> str:
@@ -132,17 +145,20 @@ class Instance:
         return f"<{self.machine.name} {self.key!r} in {self.node.name}>"
 
 
-class CompiledMachine:
+class CompiledMachine(Generic[C]):
     """The dispatch table of one declaration under one config, shared by all instances."""
 
-    def __init__(self, decl: Declaration, config: Mapping[str, float] | None = None) -> None:
+    def __init__(self, decl: Declaration[C], config: Mapping[str, float] | None = None) -> None:
         self.decl = decl
         self.name = decl.name
         self.config = dict(decl.config_defaults) | dict(config or {})
-        self.nodes: dict[str, Node] = {s.name: Node(s.name, s.final) for s in decl.state_decls}
+        self.nodes: dict[str, Node] = {
+            s.name: Node(s.name, s.final, s.tags) for s in decl.state_decls
+        }
         self.initial = self.nodes[decl.initial_state]
-        self.context: Callable[..., Any] | None = decl.context
+        self.index: dict[Hashable, Instance[C]] = {}
         self.ignored_count = 0
+        self.rejected_count = 0
         self.error_count = 0
         self.created = 0
         self.retired = 0
@@ -152,13 +168,18 @@ class CompiledMachine:
             if state.timeout is not None:
                 node.timeout = state.timeout
                 node.timeout_seconds = decl.timeout_seconds(state.timeout, self.config)
-                node.timeout_trigger = state.timeout.trigger
+                if node.timeout_seconds <= 0:
+                    raise LocalProtocolError(
+                        f"machine {self.name!r}: timeout of state {state.name!r} must be "
+                        f"positive, got {node.timeout_seconds}"
+                    )
+                node.timeout_event = state.timeout.event()
         self.routes: list[Route] = []
-        grouped: dict[tuple[str, str], list[TransitionDecl]] = {}
+        grouped: dict[tuple[str, type[Event]], list[TransitionDecl]] = {}
         for t in decl.transition_decls:
-            grouped.setdefault((t.source, t.trigger), []).append(t)
-        for (source, trigger), options in grouped.items():
-            self.nodes[source].on[trigger] = self._route(options)
+            grouped.setdefault((t.source, t.event), []).append(t)
+        for (source, event), options in grouped.items():
+            self.nodes[source].on[event] = self._route(options)
 
     def _route(self, options: list[TransitionDecl]) -> Route:
         simple = [self._simple_route(t) for t in options]
@@ -167,7 +188,6 @@ class CompiledMachine:
         if len(options) == 1 and not first.conditions and not first.unless:
             return simple[0]
         chooser = Route(self.nodes[first.source], None, None, ("", "", ""))
-        chooser.plain = False
         chooser.alternatives = tuple(
             (self._guards(t.conditions), self._guards(t.unless), route)
             for t, route in zip(options, simple, strict=True)
@@ -177,12 +197,12 @@ class CompiledMachine:
     def _simple_route(self, t: TransitionDecl) -> Route:
         source = self.nodes[t.source]
         dest = None if t.dest is None else self.nodes[t.dest]
-        action = self.decl.callbacks[t.after] if t.after else None
+        action: Action | None = self.decl.callbacks[t.after] if t.after else None  # type: ignore[assignment]
         edge = (t.source, t.trigger, t.dest if t.dest is not None else t.source)
         return Route(source, dest, action, edge)
 
     def _guards(self, names: Iterable[str]) -> tuple[Guard, ...]:
-        return tuple(self.decl.callbacks[name] for name in names)
+        return tuple(self.decl.callbacks[name] for name in names)  # type: ignore[misc]
 
     def set_fast_path(self, enabled: bool) -> None:
         """Let plain routes skip the general step (off while transitions are recorded)."""
@@ -195,6 +215,8 @@ class CompiledMachine:
                 and not dest.final
                 and not route.keeps_timer
             )
+        for node in self.nodes.values():
+            node.fast = {event: route for event, route in node.on.items() if route.plain}
 
     # -- counters ----------------------------------------------------------------------
 
@@ -204,12 +226,3 @@ class CompiledMachine:
 
     def taken_edges(self) -> frozenset[tuple[str, str, str]]:
         return frozenset(route.edge for route in self.routes if route.count)
-
-    def new_context(self, fields: Mapping[str, Any]) -> Any:
-        if self.context is None:
-            if fields:
-                raise LocalProtocolError(
-                    f"machine {self.name!r} declares no context, got fields {sorted(fields)}"
-                )
-            return None
-        return self.context(**fields)

@@ -1,40 +1,47 @@
 """Machine declarations in the `transitions` format, validated when they are defined.
 
-A declaration is the one table that states a lifecycle: its states, the transitions
-between them (trigger, source, dest, conditions), the timeouts a state arms on entry,
-and the events a state deliberately ignores. Dispatch, diagrams, coverage and the
-model-based tests all read it; nothing else defines a lifecycle.
+A declaration is the one table that states a lifecycle: its states (with their tags and
+the timeout each arms on entry), the transitions between them (an event class as the
+trigger, source, dest, guards, action), and the events a state deliberately ignores.
+Dispatch, queries, diagrams, coverage and the model-based tests all read it; nothing
+else defines a lifecycle.
 
     LEASE = Declaration(
         name="example.lease",
+        context=LeaseCtx,                      # a slotted record with a `key` field
         states=[
-            {"name": "finished", "timeout": Timeout("kv_lease_duration", "expired")},
+            {"name": "finished", "tags": ("leased",),
+             "timeout": Timeout("kv_lease_duration", "expired", LeaseExpired)},
             {"name": "sent", "final": True},
             {"name": "expired", "final": True},
         ],
-        transitions=[{"trigger": "write_done", "source": "finished", "dest": "sent"}],
+        transitions=[{"trigger": WriteDone, "source": "finished", "dest": "sent"}],
         config_defaults={"kv_lease_duration": 30.0},
     )
 
 Every rule is checked here, so a malformed declaration fails at import time with a
-message naming the machine and the offending element.
+message naming the machine and the offending element: one initial state, every state
+reachable, no trap states, guards that distinguish duplicate triggers, every named
+callback present, and every callback typed `(ctx: Context, event: Event) -> ...` with
+the machine's context, an event type admitting every trigger that runs it, and no `Any`.
 """
 
 from __future__ import annotations
 
+import inspect
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from kvhandoff.machines.runtime.effects import Effect
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.errors import LocalProtocolError
 
 ANY_STATE = "*"
 
-Guard = Callable[[Any, Any], bool]
-"""`guard(instance, payload) -> bool`; true admits the transition."""
-
-Action = Callable[[Any, Any], Iterable[object] | None]
-"""`action(instance, payload) -> effects`; runs after the state has changed."""
+C = TypeVar("C")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +49,13 @@ class Timeout:
     """A timeout armed on entry to a state and cancelled on exit.
 
     `after` is a number of seconds or the name of a config key; when it elapses the
-    runtime delivers `trigger` to the instance, which takes it to `dest` and runs the
+    runtime delivers `event()` to the instance, which takes it to `dest` and runs the
     callback named by `action`, if any.
     """
 
     after: float | str
     dest: str
-    trigger: str = "timeout"
+    event: type[Event]
     action: str | None = None
 
     def label(self) -> str:
@@ -61,17 +68,22 @@ class StateDecl:
     name: str
     final: bool = False
     timeout: Timeout | None = None
+    tags: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
 class TransitionDecl:
-    trigger: str
+    event: type[Event]
     source: str
     dest: str | None
     conditions: tuple[str, ...] = ()
     unless: tuple[str, ...] = ()
     after: str | None = None
     from_timeout: bool = False
+
+    @property
+    def trigger(self) -> str:
+        return self.event.trigger
 
     @property
     def internal(self) -> bool:
@@ -83,37 +95,47 @@ class TransitionDecl:
         return f" [{' && '.join(parts)}]" if parts else ""
 
 
-@dataclass(frozen=True)
-class Declaration:
-    """One lifecycle, validated at definition (see the module docstring)."""
+@dataclass(frozen=True, eq=False)
+class Declaration(Generic[C]):
+    """One lifecycle, validated at definition (see the module docstring).
+
+    Compared and hashed by identity: the declaration object is the handle that names
+    its kind on a bus (`bus.get(D_REGISTRATION, key)` is typed by its context).
+    """
 
     name: str
+    context: type[C]
     states: Sequence[str | Mapping[str, Any]]
     transitions: Sequence[Mapping[str, Any]]
     initial: str | None = None
-    ignore: Sequence[tuple[str, str]] = ()
-    callbacks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    ignore: Sequence[tuple[str, type[Event]]] = ()
+    callbacks: Mapping[str, Callable[..., object]] = field(default_factory=dict)
     config_defaults: Mapping[str, float] = field(default_factory=dict)
-    context: Callable[..., Any] | None = None
     description: str = ""
 
     # Normalised views, filled in __post_init__.
     state_decls: tuple[StateDecl, ...] = field(init=False)
     transition_decls: tuple[TransitionDecl, ...] = field(init=False)
-    ignored_pairs: frozenset[tuple[str, str]] = field(init=False)
+    ignored_pairs: frozenset[tuple[str, type[Event]]] = field(init=False)
     initial_state: str = field(init=False)
+    tags: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
+        _validate_context(self)
         states = tuple(_state(self.name, raw) for raw in self.states)
         object.__setattr__(self, "state_decls", states)
         names = [s.name for s in states]
         _check_unique(self.name, names)
         object.__setattr__(self, "initial_state", _initial(self.name, self.initial, self.states))
+        object.__setattr__(self, "tags", frozenset().union(*(s.tags for s in states)))
         known = frozenset(names)
         transitions = tuple(_expand_transitions(self, known))
         object.__setattr__(self, "transition_decls", transitions)
         object.__setattr__(self, "ignored_pairs", _ignored(self, known))
         _validate(self)
+
+    def __repr__(self) -> str:
+        return f"<Declaration {self.name}>"
 
     # -- reading the table -------------------------------------------------------------
 
@@ -126,11 +148,16 @@ class Declaration:
         return frozenset(s.name for s in self.state_decls if s.final)
 
     @property
-    def triggers(self) -> frozenset[str]:
-        """Every event the machine knows, handled or ignored somewhere."""
-        return frozenset(t.trigger for t in self.transition_decls) | frozenset(
+    def events(self) -> frozenset[type[Event]]:
+        """Every event class the machine knows, handled or ignored somewhere."""
+        return frozenset(t.event for t in self.transition_decls) | frozenset(
             event for _, event in self.ignored_pairs
         )
+
+    @property
+    def triggers(self) -> frozenset[str]:
+        """The trigger names of `events`."""
+        return frozenset(event.trigger for event in self.events)
 
     def state(self, name: str) -> StateDecl:
         for decl in self.state_decls:
@@ -138,10 +165,20 @@ class Declaration:
                 return decl
         raise LocalProtocolError(f"machine {self.name!r} has no state {name!r}")
 
-    def handled_events(self, state: str) -> frozenset[str]:
-        return frozenset(t.trigger for t in self.transition_decls if t.source == state)
+    def states_tagged(self, tag: str) -> frozenset[str]:
+        self.check_tag(tag)
+        return frozenset(s.name for s in self.state_decls if tag in s.tags)
 
-    def ignored_events(self, state: str) -> frozenset[str]:
+    def check_tag(self, tag: str) -> None:
+        if tag not in self.tags:
+            raise LocalProtocolError(
+                f"machine {self.name!r} declares no state tag {tag!r} (known: {sorted(self.tags)})"
+            )
+
+    def handled_events(self, state: str) -> frozenset[type[Event]]:
+        return frozenset(t.event for t in self.transition_decls if t.source == state)
+
+    def ignored_events(self, state: str) -> frozenset[type[Event]]:
         return frozenset(event for src, event in self.ignored_pairs if src == state)
 
     def edges(self) -> frozenset[tuple[str, str, str]]:
@@ -161,6 +198,11 @@ class Declaration:
             )
         return float(value)
 
+    def new_context(self, key: object, fields: Mapping[str, Any]) -> C:
+        """A context for `key` built from `fields` (tests and generic tools)."""
+        factory: Callable[..., C] = self.context
+        return factory(key=key, **fields)
+
 
 # -- normalisation ---------------------------------------------------------------------
 
@@ -169,16 +211,28 @@ def _fail(machine: str, message: str) -> LocalProtocolError:
     return LocalProtocolError(f"machine {machine!r}: {message}")
 
 
+def _validate_context(decl: Declaration[Any]) -> None:
+    if not isinstance(decl.context, type):
+        raise _fail(decl.name, "context must be a class (a slotted record with a `key` field)")
+    if "key" not in _hints(decl.name, decl.context, "context"):
+        raise _fail(
+            decl.name, f"context {decl.context.__name__} needs a `key` field (the instance key)"
+        )
+
+
 def _state(machine: str, raw: str | Mapping[str, Any]) -> StateDecl:
     if isinstance(raw, str):
         return StateDecl(raw)
-    unknown = set(raw) - {"name", "final", "timeout", "initial"}
+    unknown = set(raw) - {"name", "final", "timeout", "initial", "tags"}
     if unknown:
         raise _fail(machine, f"state {raw.get('name')!r} has unknown keys {sorted(unknown)}")
     timeout = raw.get("timeout")
     if timeout is not None and not isinstance(timeout, Timeout):
         raise _fail(machine, f"state {raw['name']!r}: timeout must be a Timeout")
-    return StateDecl(str(raw["name"]), bool(raw.get("final", False)), timeout)
+    tags = raw.get("tags", ())
+    if isinstance(tags, str) or not all(isinstance(t, str) and t.isidentifier() for t in tags):
+        raise _fail(machine, f"state {raw['name']!r}: tags must be a sequence of identifiers")
+    return StateDecl(str(raw["name"]), bool(raw.get("final", False)), timeout, frozenset(tags))
 
 
 def _check_unique(machine: str, names: Sequence[str]) -> None:
@@ -206,22 +260,26 @@ def _as_tuple(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _expand_transitions(decl: Declaration, known: frozenset[str]) -> Iterable[TransitionDecl]:
+def _event_class(machine: str, raw: object, what: str) -> type[Event]:
+    if not (isinstance(raw, type) and issubclass(raw, Event)) or raw is Event:
+        raise _fail(machine, f"{what} must be an Event subclass, got {raw!r}")
+    return raw
+
+
+def _expand_transitions(decl: Declaration[Any], known: frozenset[str]) -> Iterable[TransitionDecl]:
     allowed = {"trigger", "source", "dest", "conditions", "unless", "after"}
     for raw in decl.transitions:
         unknown = set(raw) - allowed
         if unknown:
             raise _fail(decl.name, f"transition {dict(raw)!r} has unknown keys {sorted(unknown)}")
-        trigger = raw.get("trigger")
-        if not isinstance(trigger, str) or not trigger:
-            raise _fail(decl.name, f"transition {dict(raw)!r} needs a trigger")
+        event = _event_class(decl.name, raw.get("trigger"), f"trigger of {dict(raw)!r}")
         dest = raw.get("dest")
         if dest is not None and dest not in known:
-            raise _fail(decl.name, f"transition {trigger!r} names unknown dest state {dest!r}")
-        sources = _sources(decl, raw.get("source"), known, f"transition {trigger!r}")
+            raise _fail(decl.name, f"transition {event.trigger!r} names unknown dest {dest!r}")
+        sources = _sources(decl, raw.get("source"), known, f"transition {event.trigger!r}")
         for source in sources:
             yield TransitionDecl(
-                trigger=trigger,
+                event=event,
                 source=source,
                 dest=dest,
                 conditions=_as_tuple(raw.get("conditions")),
@@ -229,23 +287,27 @@ def _expand_transitions(decl: Declaration, known: frozenset[str]) -> Iterable[Tr
                 after=raw.get("after"),
             )
     for state in decl.state_decls:
-        if state.timeout is not None:
-            if state.timeout.dest not in known:
-                raise _fail(
-                    decl.name,
-                    f"timeout of state {state.name!r} names unknown dest {state.timeout.dest!r}",
-                )
-            yield TransitionDecl(
-                state.timeout.trigger,
-                state.name,
-                state.timeout.dest,
-                after=state.timeout.action,
-                from_timeout=True,
+        timeout = state.timeout
+        if timeout is None:
+            continue
+        if timeout.dest not in known:
+            raise _fail(
+                decl.name, f"timeout of state {state.name!r} names unknown dest {timeout.dest!r}"
             )
+        event = _event_class(decl.name, timeout.event, f"timeout event of {state.name!r}")
+        try:
+            event()
+        except TypeError as exc:
+            raise _fail(
+                decl.name, f"timeout event {event.__name__} must be constructible without fields"
+            ) from exc
+        yield TransitionDecl(
+            event, state.name, timeout.dest, after=timeout.action, from_timeout=True
+        )
 
 
 def _sources(
-    decl: Declaration, raw: str | Sequence[str] | None, known: frozenset[str], what: str
+    decl: Declaration[Any], raw: str | Sequence[str] | None, known: frozenset[str], what: str
 ) -> tuple[str, ...]:
     sources = _as_tuple(raw)
     if not sources:
@@ -258,13 +320,16 @@ def _sources(
     return sources
 
 
-def _ignored(decl: Declaration, known: frozenset[str]) -> frozenset[tuple[str, str]]:
-    pairs: set[tuple[str, str]] = set()
-    for source, event in decl.ignore:
+def _ignored(decl: Declaration[Any], known: frozenset[str]) -> frozenset[tuple[str, type[Event]]]:
+    pairs: set[tuple[str, type[Event]]] = set()
+    for source, raw_event in decl.ignore:
+        event = _event_class(decl.name, raw_event, f"ignored event in state {source!r}")
         if source == ANY_STATE:
             pairs.update((s, event) for s in known)
         elif source not in known:
-            raise _fail(decl.name, f"ignored event {event!r} names unknown state {source!r}")
+            raise _fail(
+                decl.name, f"ignored event {event.trigger!r} names unknown state {source!r}"
+            )
         else:
             pairs.add((source, event))
     return frozenset(pairs)
@@ -273,17 +338,24 @@ def _ignored(decl: Declaration, known: frozenset[str]) -> frozenset[tuple[str, s
 # -- validation --------------------------------------------------------------------------
 
 
-def _validate(decl: Declaration) -> None:
+def _validate(decl: Declaration[Any]) -> None:
     _validate_callbacks(decl)
     _validate_alternatives(decl)
     _validate_graph(decl)
 
 
-def _validate_callbacks(decl: Declaration) -> None:
+def _validate_callbacks(decl: Declaration[Any]) -> None:
+    runs_on: dict[tuple[str, str], set[type[Event]]] = {}
     for t in decl.transition_decls:
-        for name in (*t.conditions, *t.unless, *_as_tuple(t.after)):
-            if not callable(decl.callbacks.get(name)):
-                raise _fail(decl.name, f"transition {t.trigger!r} names missing callback {name!r}")
+        for name in (*t.conditions, *t.unless):
+            runs_on.setdefault((name, "guard"), set()).add(t.event)
+        if t.after is not None:
+            runs_on.setdefault((t.after, "action"), set()).add(t.event)
+    for (name, role), events in sorted(runs_on.items(), key=lambda item: item[0]):
+        fn = decl.callbacks.get(name)
+        if not callable(fn):
+            raise _fail(decl.name, f"a transition names missing callback {name!r}")
+        _check_signature(decl, name, fn, role, events)
     for state in decl.state_decls:
         timeout = state.timeout
         if timeout is None or not isinstance(timeout.after, str):
@@ -296,27 +368,102 @@ def _validate_callbacks(decl: Declaration) -> None:
             )
 
 
-def _validate_alternatives(decl: Declaration) -> None:
-    by_pair: dict[tuple[str, str], list[TransitionDecl]] = {}
+def _hints(machine: str, obj: object, what: str) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(obj)
+    except Exception as exc:  # a name the annotations use is not importable at runtime
+        raise _fail(machine, f"cannot resolve the annotations of {what}: {exc}") from exc
+
+
+def _members(hint: object) -> tuple[object, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _mentions_any(hint: object) -> bool:
+    return hint is Any or any(_mentions_any(arg) for arg in typing.get_args(hint))
+
+
+def _check_signature(
+    decl: Declaration[Any],
+    name: str,
+    fn: Callable[..., object],
+    role: str,
+    events: set[type[Event]],
+) -> None:
+    """`(ctx: Context, event: Event) -> list[Effect] | None` for actions, `-> bool` for
+    guards; the event annotation admits every trigger that runs the callback; no Any."""
+    where = f"{role} {name!r}"
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) != 2:
+        raise _fail(decl.name, f"{where} must take (ctx, event), takes {len(params)} parameters")
+    hints = _hints(decl.name, fn, where)
+    missing = [p.name for p in params if p.name not in hints] + (
+        [] if "return" in hints else ["return"]
+    )
+    if missing:
+        raise _fail(decl.name, f"{where} is not fully annotated (missing {missing})")
+    if any(_mentions_any(hint) for hint in hints.values()):
+        raise _fail(decl.name, f"{where} uses Any in its signature")
+    ctx_hint = hints[params[0].name]
+    if not (isinstance(ctx_hint, type) and issubclass(decl.context, ctx_hint)):
+        raise _fail(
+            decl.name, f"{where}: ctx is annotated {ctx_hint!r}, not {decl.context.__name__}"
+        )
+    admitted = [m for m in _members(hints[params[1].name]) if isinstance(m, type)]
+    for event in sorted(events, key=lambda e: e.__name__):
+        if not any(issubclass(event, m) for m in admitted):
+            raise _fail(
+                decl.name,
+                f"{where}: event is annotated {hints[params[1].name]!r}, "
+                f"which does not admit {event.__name__}",
+            )
+    returns = hints["return"]
+    if role == "guard":
+        ok = returns is bool
+    else:
+        ok = returns is type(None) or (
+            typing.get_origin(returns) is list
+            and all(isinstance(a, type) and issubclass(a, Effect) for a in typing.get_args(returns))
+        )
+    if not ok:
+        want = "bool" if role == "guard" else "list[Effect] or None"
+        raise _fail(decl.name, f"{where} returns {returns!r}, not {want}")
+
+
+def _validate_alternatives(decl: Declaration[Any]) -> None:
+    by_pair: dict[tuple[str, type[Event]], list[TransitionDecl]] = {}
     for t in decl.transition_decls:
-        by_pair.setdefault((t.source, t.trigger), []).append(t)
-    for (source, trigger), options in by_pair.items():
-        if (source, trigger) in decl.ignored_pairs:
-            raise _fail(decl.name, f"event {trigger!r} in state {source!r} is handled and ignored")
+        by_pair.setdefault((t.source, t.event), []).append(t)
+    for (source, event), options in by_pair.items():
+        if (source, event) in decl.ignored_pairs:
+            raise _fail(
+                decl.name, f"event {event.trigger!r} in state {source!r} is handled and ignored"
+            )
         if source in decl.final_states:
-            raise _fail(decl.name, f"final state {source!r} has an exit on {trigger!r}")
+            raise _fail(decl.name, f"final state {source!r} has an exit on {event.trigger!r}")
         guards = [(t.conditions, t.unless) for t in options]
         for index, guard in enumerate(guards):
             unguarded_before_last = guard == ((), ()) and index < len(guards) - 1
             if unguarded_before_last or guard in guards[:index]:
                 raise _fail(
                     decl.name,
-                    f"trigger {trigger!r} from state {source!r} is declared twice "
+                    f"trigger {event.trigger!r} from state {source!r} is declared twice "
                     "without distinguishing guards",
                 )
+    triggers: dict[str, type[Event]] = {}
+    for event in decl.events:
+        other = triggers.setdefault(event.trigger, event)
+        if other is not event:
+            raise _fail(
+                decl.name,
+                f"event classes {other.__qualname__} and {event.__qualname__} share the "
+                f"trigger name {event.trigger!r}",
+            )
 
 
-def _validate_graph(decl: Declaration) -> None:
+def _validate_graph(decl: Declaration[Any]) -> None:
     successors: dict[str, set[str]] = {name: set() for name in decl.state_names}
     for t in decl.transition_decls:
         if t.dest is not None:

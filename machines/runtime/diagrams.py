@@ -25,7 +25,7 @@ class _DiagramModel:
     """A blank model: GraphMachine attaches its trigger methods here, not to our instances."""
 
 
-def render_mermaid(decl: Declaration) -> str:
+def render_mermaid(decl: Declaration[Any]) -> str:
     """The `stateDiagram-v2` text of `decl`, deterministic for a given declaration."""
     timeouts = {s.name: s.timeout for s in decl.state_decls if s.timeout is not None}
     transitions: list[dict[str, Any]] = []
@@ -51,7 +51,7 @@ def render_mermaid(decl: Declaration) -> str:
     return _normalise(decl, graph_text)
 
 
-def _normalise(decl: Declaration, text: str) -> str:
+def _normalise(decl: Declaration[Any], text: str) -> str:
     states: list[str] = []
     edges: list[str] = []
     for line in (raw.strip() for raw in text.splitlines()):
@@ -63,7 +63,8 @@ def _normalise(decl: Declaration, text: str) -> str:
             edges.append(f"{safe_id(source)} --> {safe_id(dest)}: {label}")
     finals = sorted(f"{safe_id(name)} --> [*]" for name in decl.final_states)
     ignored = sorted(
-        f"note right of {safe_id(state)}: ignores {', '.join(sorted(decl.ignored_events(state)))}"
+        f"note right of {safe_id(state)}: ignores "
+        + ", ".join(sorted(e.trigger for e in decl.ignored_events(state)))
         for state in decl.state_names
         if decl.ignored_events(state)
     )

@@ -1,22 +1,26 @@
 """Transition records as JSON lines, and their replay onto a fresh bus.
 
 Recording is off by default; when on, every creation and every transition becomes one
-line: time, kind, key, event, from, to and the effects it returned. A log can be read
-back with `read_log` and replayed with `replay`, which re-creates the instances,
-re-delivers the events at their recorded times on a virtual clock, and reports any
-instance whose replayed state differs from the recorded one.
+line: the injected time, kind, key, event (its trigger name and fields), from, to and the
+effects it returned. A log can be read back with `read_log` and replayed with `replay`,
+which re-creates the instances, re-delivers the events at their recorded times, and
+reports any instance whose replayed state differs from the recorded one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from kvhandoff.machines.runtime.events import Event
 
 if TYPE_CHECKING:
     from kvhandoff.machines.runtime.bus import EventBus
-    from kvhandoff.machines.runtime.clock import VirtualClock
     from kvhandoff.machines.runtime.compiled import Instance
+    from kvhandoff.machines.runtime.declaration import Declaration
+    from kvhandoff.machines.runtime.effects import Effect
 
 CREATE = "__create__"
 
@@ -27,34 +31,36 @@ class TransitionRecorder:
     def __init__(self, sink: Callable[[str], None]) -> None:
         self.sink = sink
 
-    def created(self, now: float, inst: Instance) -> None:
+    def created(self, now: float, inst: Instance[Any]) -> None:
         state = inst.node.name
-        self._write(now, inst, CREATE, state, state, None)
+        self._write(now, inst, CREATE, {}, state, state, None)
 
     def transition(
         self,
         now: float,
-        inst: Instance,
-        event: str,
+        inst: Instance[Any],
+        event: Event,
         edge: tuple[str, str, str],
-        effects: Iterable[object] | None,
+        effects: Sequence[Effect] | None,
     ) -> None:
-        self._write(now, inst, event, edge[0], edge[2], effects)
+        self._write(now, inst, event.trigger, event_fields(event), edge[0], edge[2], effects)
 
     def _write(
         self,
         now: float,
-        inst: Instance,
+        inst: Instance[Any],
         event: str,
+        fields: dict[str, Any],
         source: str,
         dest: str,
-        effects: Iterable[object] | None,
+        effects: Sequence[Effect] | None,
     ) -> None:
         record = {
             "t": now,
             "kind": inst.machine.name,
             "key": _jsonable(inst.key),
             "event": event,
+            "fields": fields,
             "from": source,
             "to": dest,
             "effects": [repr(e) for e in effects] if effects else [],
@@ -62,41 +68,61 @@ class TransitionRecorder:
         self.sink(json.dumps(record, sort_keys=True))
 
 
-def _jsonable(key: Any) -> Any:
-    if isinstance(key, str | int | float | bool) or key is None:
-        return key
-    if isinstance(key, tuple | list):
-        return [_jsonable(k) for k in key]
-    return repr(key)
+def event_fields(event: Event) -> dict[str, Any]:
+    """The event's payload as JSON-able values (repr for anything richer)."""
+    if not dataclasses.is_dataclass(event):
+        return {}
+    return {f.name: _jsonable(getattr(event, f.name)) for f in dataclasses.fields(event)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if isinstance(value, tuple | list | frozenset | set):
+        return [_jsonable(v) for v in value]
+    return repr(value)
 
 
 def read_log(lines: Iterable[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def replay(records: Iterable[dict[str, Any]], bus: EventBus, clock: VirtualClock) -> list[str]:
-    """Re-run `records` on `bus` (kinds registered, contexts default-constructible).
+def replay(
+    records: Iterable[dict[str, Any]], bus: EventBus, declarations: Iterable[Declaration[Any]]
+) -> list[str]:
+    """Re-run `records` on `bus`, where `declarations` are registered and their contexts
+    can be built from a key alone.
 
-    Returns one message per record whose replayed destination differs from the log;
-    an empty list means the run replayed exactly.
+    Returns one message per record whose replayed destination differs from the log (or
+    whose event cannot be rebuilt from its recorded fields); an empty list means the run
+    replayed exactly.
     """
+    by_name = {decl.name: decl for decl in declarations}
     mismatches: list[str] = []
     for record in records:
-        if record["t"] > clock.now:
-            clock.jump_to(record["t"])
-        kind, key = record["kind"], _key(record["key"])
+        decl, key, now = by_name[record["kind"]], _key(record["key"]), float(record["t"])
         if record["event"] == CREATE:
-            bus.create(kind, key)
+            bus.create(decl, decl.new_context(key, {}), now)
             continue
-        inst = bus.get(kind, key)
-        if inst is None:
-            mismatches.append(f"{kind} {key!r}: no live instance for {record['event']!r}")
+        inst = bus.get(decl, key)
+        event_cls = {e.trigger: e for e in decl.events}.get(record["event"])
+        if inst is None or event_cls is None:
+            mismatches.append(f"{decl.name} {key!r}: cannot deliver {record['event']!r}")
             continue
-        bus.dispatch(kind, key, record["event"])
+        timeout = inst.node.timeout
+        if timeout is not None and event_cls is timeout.event:
+            bus.fire_due(now)  # a recorded timeout fires from the clock, not a dispatch
+        else:
+            try:
+                event = event_cls(**record.get("fields", {}))
+            except TypeError as exc:
+                mismatches.append(f"{decl.name} {key!r}: cannot rebuild {record['event']}: {exc}")
+                continue
+            bus.dispatch(decl, key, event, now)
         state = inst.node.name
         if state != record["to"]:
             mismatches.append(
-                f"{kind} {key!r}: {record['event']!r} led to {state}, log says {record['to']}"
+                f"{decl.name} {key!r}: {record['event']!r} led to {state}, log says {record['to']}"
             )
     return mismatches
 

@@ -42,15 +42,17 @@ from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Emit
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.machines.runtime.events import Event
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
-Invariant = Callable[[Instance], None]
+Invariant = Callable[[Instance[Any]], None]
+Payloads = Mapping[type[Event], st.SearchStrategy[Event]]
 
 
 class TransitionCoverage:
     """The declared transitions of one machine that model-based runs have exercised."""
 
-    def __init__(self, decl: Declaration) -> None:
+    def __init__(self, decl: Declaration[Any]) -> None:
         self.decl = decl
         self.declared = decl.edges()
         self.seen: set[tuple[str, str, str]] = set()
@@ -73,62 +75,65 @@ class TransitionCoverage:
 
 
 def machine_test_case(
-    decl: Declaration,
+    decl: Declaration[Any],
     *,
     config: Mapping[str, float] | None = None,
     context: st.SearchStrategy[Mapping[str, Any]] | None = None,
-    payloads: Mapping[str, st.SearchStrategy[Any]] | None = None,
+    payloads: Payloads | None = None,
     invariants: Sequence[Invariant] = (),
     coverage: TransitionCoverage | None = None,
     max_clock_step: float | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A Hypothesis state machine exercising one instance of `decl` at a time.
 
-    `context` draws the fields each new instance is created with; `payloads` maps an
-    event to the strategy its payload is drawn from (default: None); `invariants` are
-    called with the live instance after every step; `coverage` collects taken edges.
+    `context` draws the fields (besides `key`) each new instance's context is built
+    with; `payloads` maps an event class to the strategy its events are drawn from
+    (default: `st.builds(cls)`, from the class's annotations); `invariants` are called
+    with the live instance after every step; `coverage` collects taken edges.
     """
-    payload_for = dict(payloads or {})
+    payload_for = _payload_strategies(decl, payloads)
     fields_strategy: st.SearchStrategy[Mapping[str, Any]] = (
         context if context is not None else st.just({})
     )
-    all_events = sorted(decl.triggers)
+    all_events = sorted(decl.events, key=_trigger)
 
     class MachineModel(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.clock = VirtualClock()
-            self.bus = EventBus(self.clock)
+            self.bus = EventBus()
             self.machine = self.bus.register(decl, config)
             self.emitted: list[Emit] = []
             self.bus.handle(Emit, lambda _inst, effect: self.emitted.append(effect))
             self.serial = 0
-            self.inst: Instance | None = None
+            self.inst: Instance[Any] | None = None
             self.step = max_clock_step or _default_step(self.machine.nodes.values())
 
-        def _live(self, data: st.DataObject) -> Instance:
+        def _live(self, data: st.DataObject) -> Instance[Any]:
             """The instance under test; a new one once the last reached a final state."""
             inst = self.inst
-            if inst is None or self.bus.get(decl.name, inst.key) is not inst:
+            if inst is None or self.bus.get(decl, inst.key) is not inst:
                 self.serial += 1
                 fields = data.draw(fields_strategy, label="context")
-                inst = self.bus.create(decl.name, f"{decl.name}-{self.serial}", **fields)
+                ctx = decl.new_context(f"{decl.name}-{self.serial}", fields)
+                inst = self.bus.create(decl, ctx, self.clock.now)
                 self.inst = inst
             return inst
 
         @rule(data=st.data())
         def fire_legal_event(self, data: st.DataObject) -> None:
             inst = self._live(data)
-            events = sorted(inst.node.on)
+            events = sorted(inst.node.on, key=_trigger)
             if not events:
                 return
-            event = data.draw(st.sampled_from(events), label="event")
-            payload = data.draw(payload_for.get(event, st.none()), label="payload")
+            cls = data.draw(st.sampled_from(events), label="event")
+            event = data.draw(payload_for[cls], label="payload")
             before = inst.node
             try:
-                self.bus.dispatch(decl.name, inst.key, event, payload)
-            except LocalProtocolError as exc:
+                self.bus.dispatch(decl, inst.key, event, self.clock.now)
+            except (LocalProtocolError, RemoteProtocolError) as exc:
                 assert "no guard admits" in str(exc), str(exc)
+                assert isinstance(exc, RemoteProtocolError) == event.from_peer, repr(exc)
                 assert inst.node is before, "a refused event must not change state"
 
         @rule(data=st.data())
@@ -138,15 +143,18 @@ def machine_test_case(
             illegal = [e for e in all_events if e not in node.on and e not in node.ignored]
             if not illegal:
                 return
-            event = data.draw(st.sampled_from(illegal), label="undeclared")
+            cls = data.draw(st.sampled_from(illegal), label="undeclared")
+            event = data.draw(payload_for[cls], label="payload")
+            expected = RemoteProtocolError if event.from_peer else LocalProtocolError
             try:
-                self.bus.dispatch(decl.name, inst.key, event)
-            except LocalProtocolError as exc:
+                self.bus.dispatch(decl, inst.key, event, self.clock.now)
+            except (LocalProtocolError, RemoteProtocolError) as exc:
                 message = str(exc)
-                assert decl.name in message and node.name in message and event in message
+                assert type(exc) is expected, f"{cls.__name__} must raise {expected.__name__}"
+                assert decl.name in message and node.name in message and cls.trigger in message
             else:
-                raise AssertionError(f"{event!r} in {node.name!r} must raise LocalProtocolError")
-            assert inst.node is node
+                raise AssertionError(f"{cls.__name__} in {node.name!r} must raise")
+            assert inst.node is node, "an undeclared event must not change state"
 
         @rule(data=st.data())
         def fire_ignored_event(self, data: st.DataObject) -> None:
@@ -154,22 +162,23 @@ def machine_test_case(
             node = inst.node
             if not node.ignored:
                 return
-            event = data.draw(st.sampled_from(sorted(node.ignored)), label="ignored")
-            self.bus.dispatch(decl.name, inst.key, event)
+            cls = data.draw(st.sampled_from(sorted(node.ignored, key=_trigger)), label="ignored")
+            event = data.draw(payload_for[cls], label="payload")
+            self.bus.dispatch(decl, inst.key, event, self.clock.now)
             assert inst.node is node, "an ignored event must not change state"
 
         # Mostly small steps, so deep paths survive; sometimes past every timeout.
         @rule(fraction=st.one_of(st.floats(0.0, 0.01), st.floats(0.0, 1.0)))
         def advance_clock(self, fraction: float) -> None:
             self.clock.advance(fraction * self.step)
-            self.bus.fire_due()
+            self.bus.fire_due(self.clock.now)
 
         @invariant()
         def runtime_invariants(self) -> None:
             inst = self.inst
             if inst is None:
                 return
-            if self.bus.get(decl.name, inst.key) is not inst:
+            if self.bus.get(decl, inst.key) is not inst:
                 assert inst.node.final, "only final states leave the bus"
                 assert inst.timer is None, "a retired instance keeps no timer"
                 return
@@ -192,7 +201,7 @@ def machine_test_case(
 
 
 def run_model_test(
-    decl: Declaration,
+    decl: Declaration[Any],
     *,
     max_examples: int = 200,
     require_full_coverage: bool = True,
@@ -224,7 +233,7 @@ def run_model_test(
 
 
 def _tour_missing_edges(
-    decl: Declaration, coverage: TransitionCoverage, options: Mapping[str, Any]
+    decl: Declaration[Any], coverage: TransitionCoverage, options: Mapping[str, Any]
 ) -> None:
     """Drive a fresh instance along a shortest event path into each edge still missing.
 
@@ -235,28 +244,29 @@ def _tour_missing_edges(
 
     context = options.get("context")
     fields = find(context, lambda _: True) if context is not None else {}
-    payloads = {
-        event: find(strategy, lambda _: True)
-        for event, strategy in (options.get("payloads") or {}).items()
-    }
-    for source, event, _dest in coverage.missing():
+    strategies = _payload_strategies(decl, options.get("payloads"))
+    simplest: dict[type[Event], Event] = {}
+    by_trigger = {cls.trigger: cls for cls in decl.events}
+    for source, trigger, _dest in coverage.missing():
         path = _shortest_path(decl, source)
         if path is None:
             continue
-        bus = EventBus(VirtualClock())
+        bus = EventBus()
         machine = bus.register(decl, options.get("config"))
         bus.handle(Emit, lambda _inst, _effect: None)
-        bus.create(decl.name, "tour", **dict(fields))
+        bus.create(decl, decl.new_context("tour", dict(fields)), 0.0)
         try:
-            for step in [*path, event]:
-                bus.dispatch(decl.name, "tour", step, payloads.get(step))
-        except LocalProtocolError:
+            for cls in [*path, by_trigger[trigger]]:
+                if cls not in simplest:
+                    simplest[cls] = find(strategies[cls], lambda _: True)
+                bus.dispatch(decl, "tour", simplest[cls], 0.0)
+        except (LocalProtocolError, RemoteProtocolError):
             pass  # a guard refused on this path: leave the edge to the random runs
         coverage.add(machine.taken_edges())
 
 
-def _shortest_path(decl: Declaration, target: str) -> list[str] | None:
-    frontier: list[tuple[str, list[str]]] = [(decl.initial_state, [])]
+def _shortest_path(decl: Declaration[Any], target: str) -> list[type[Event]] | None:
+    frontier: list[tuple[str, list[type[Event]]]] = [(decl.initial_state, [])]
     seen = {decl.initial_state}
     while frontier:
         state, path = frontier.pop(0)
@@ -265,21 +275,36 @@ def _shortest_path(decl: Declaration, target: str) -> list[str] | None:
         for t in decl.transition_decls:
             if t.source == state and t.dest is not None and t.dest not in seen:
                 seen.add(t.dest)
-                frontier.append((t.dest, [*path, t.trigger]))
+                frontier.append((t.dest, [*path, t.event]))
     return None
 
 
-def to_transitions_machine(decl: Declaration, model: Any) -> Any:
+def _payload_strategies(
+    decl: Declaration[Any], given: Payloads | None
+) -> dict[type[Event], st.SearchStrategy[Event]]:
+    """A strategy per event class of `decl`: the given one, else built from its fields."""
+    out: dict[type[Event], st.SearchStrategy[Event]] = {}
+    for cls in decl.events:
+        out[cls] = (given or {}).get(cls) or st.builds(cls)
+    return out
+
+
+def _trigger(cls: type[Event]) -> str:
+    return cls.trigger
+
+
+def to_transitions_machine(decl: Declaration[Any], model: Any) -> Any:
     """A `transitions.Machine` for `model` built from the same declaration.
 
-    Guards receive `(model, payload)`; pass the payload as `payload=` to the trigger.
-    Ignored events become internal transitions. Used as a reference executor.
+    Guards receive `(model.ctx, event)`; pass the event object as `event=` to the
+    trigger named by its class. Ignored events become internal transitions. Used as a
+    reference executor.
     """
     from transitions import Machine
 
     def guard(name: str) -> Callable[[Any], bool]:
         fn = decl.callbacks[name]
-        return lambda event_data: bool(fn(model, event_data.kwargs.get("payload")))
+        return lambda event_data: bool(fn(model.ctx, event_data.kwargs.get("event")))
 
     transitions = [
         {
@@ -292,7 +317,8 @@ def to_transitions_machine(decl: Declaration, model: Any) -> Any:
         for t in decl.transition_decls
     ]
     transitions += [
-        {"trigger": event, "source": state, "dest": None} for state, event in decl.ignored_pairs
+        {"trigger": event.trigger, "source": state, "dest": None}
+        for state, event in decl.ignored_pairs
     ]
     return Machine(
         model=model,
