@@ -13,20 +13,20 @@ encoder's dtype). An item's `blocks[t]` holds token `t` of encoding `mm_hash`.
   fired since the last call; the worker turns each into `ECWorker.on_copy_done`.
 
 Two implementations: `ec_copy_cpu.CpuCopyEngine` (torch CPU tensors; the demo and CI)
-and `ec_copy_cuda.CudaCopyEngine` (pooled CUDA streams, a host-registered region).
+and `cuda.ec_copy.CudaCopyEngine` (pooled CUDA streams, a host-registered region).
 A batch is never one copy call per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
-from kvhandoff.machines.ec.meta import CopyItem
+from kvhandoff.machines.ec.meta import CopyDirection, CopyItem
 
-CopyDirection = Literal["save", "load"]
+__all__ = ["CopyDirection", "CopyEngine"]
 
 
 class CopyEngine(Protocol):

@@ -86,7 +86,7 @@ class FaultyECSide(ECSide):
             data = _garbled(data)
         return super()._reply(server, peer, data)
 
-    def issue_read(self, inst: Instance | None, effect: IssueRead) -> None:
+    def issue_read(self, inst: Instance[Any] | None, effect: IssueRead) -> None:
         if self.faults.roll("read_fail"):
             # As when NIXL refuses the post: reported at the next poll (R-E08).
             self._read_failures.append((effect.mm_hash, effect.transfer_id))

@@ -12,23 +12,16 @@ instance (one DP rank, the TP rank 0 worker) to real parts and executes their ef
   its `poll()` reports is fed to `ECWorker.on_copy_done` (R-E05);
 - producer roles: a ZMQ ROUTER bound at the side-channel host:port (default
   `localhost:5601`; port 0 takes a free port, which is then the port published in
-  `ec_transfer_params`). `SendXferAck` becomes a reply; requests are handed to
-  `on_producer_message` when `poll()` runs, i.e. from the producer's own scheduler step
-  (R-E09). A reply that finds its consumer gone is reported with
-  `on_consumer_disconnected` (ZMQ tells a ROUTER nothing else about who left);
-- consumer roles: one ZMQ DEALER per producer peer (R-E07) for `SendXferReq` and
-  `SendXferDone`; acks go to `on_xfer_ack`, a lost connection to `on_peer_disconnected`
-  (and the DEALER is dropped, so the next request opens a fresh one). `IssueRead` goes to
-  an `ECNixlReader`: a NIXL READ of the producer's registered region into ours, with the
-  producer agent metadata the `XferAck` carried loaded first when the agent is new or
-  changed, so a restarted producer is read without another handshake (R-E11). Polling
-  the READ reports `on_read_done` or `on_read_failed`; an agent whose peer went away is
-  forgotten once no READ uses it (B-08).
+  `ec_transfer_params`); see `ec_side_producer.ProducerEdges` (R-E09, B-01);
+- consumer roles: one ZMQ DEALER per producer peer and NIXL READs into our region; see
+  `ec_side_consumer.ConsumerEdges` (R-E07, R-E11, B-08).
 
 Single-threaded: the engine's thread calls `poll()` and `engine_step()`; nothing here
 runs on a thread of its own (NIXL's progress thread aside, or none: see
-`nixl_progress_thread`). Untrusted bytes never raise out of `poll()`: they are counted in
-`rejected`.
+`nixl_progress_thread`). Each of those reads the injected `clock` once and passes `now`
+down; code that calls the scheduler half directly passes `side.clock()`. Untrusted bytes
+never raise out of `poll()`: they go to `rejections`, a `RejectionLog` counted per peer
+and logged at WARNING, rate-limited.
 """
 
 from __future__ import annotations
@@ -36,14 +29,16 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
 
+from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine
 from kvhandoff.adapters.ec_copy_engine import CopyEngine
+from kvhandoff.adapters.ec_side_consumer import ConsumerEdges, ReadOutcome
+from kvhandoff.adapters.ec_side_producer import ProducerEdges
 from kvhandoff.adapters.nixl.agent import NixlAgent, NixlTransferError
 from kvhandoff.adapters.nixl.ec_reader import ECNixlReader
 from kvhandoff.adapters.shm.region import (
@@ -55,20 +50,16 @@ from kvhandoff.adapters.shm.region import (
 )
 from kvhandoff.adapters.zmq.control import ControlClient, ControlServer, Heartbeat
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
-from kvhandoff.machines.ec.consumer_read import (
-    CONSUMER_READ_KIND,
-    IssueRead,
-    SendXferDone,
-    SendXferReq,
-)
+from kvhandoff.machines.ec.consumer_read import IssueRead, SendXferDone, SendXferReq
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
 from kvhandoff.machines.ec.meta import ECFinished
 from kvhandoff.machines.ec.producer_grant import SendXferAck
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.ec.worker import ECWorker
 from kvhandoff.machines.ec.worker_region import CloseRegion
-from kvhandoff.machines.runtime.clock import Clock, real_clock
+from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.ec_config import (
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_HOST_ENV_ALIAS,
@@ -77,8 +68,8 @@ from kvhandoff.protocol.ec_config import (
     ECLayout,
     ECTransferConfig,
 )
-from kvhandoff.protocol.ec_wire import XferAck, encode_xfer_ack, encode_xfer_done, encode_xfer_req
-from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
+from kvhandoff.protocol.ec_wire import XferAck
+from kvhandoff.protocol.errors import LocalProtocolError
 
 __all__ = ["CopyEngineFactory", "ECSide", "ReadOutcome"]
 
@@ -93,23 +84,13 @@ _SIDE_CHANNEL_ENV = (
     SIDE_CHANNEL_PORT_ENV,
     SIDE_CHANNEL_PORT_ENV_ALIAS,
 )
-_MAX_OUTCOMES = 4096
 
 
-@dataclass(frozen=True, slots=True)
-class ReadOutcome:
-    """How a consumer read of one `mm_hash` ended (kept for the last few thousand)."""
-
-    state: str
-    """`done`, `fallback_local` or `released` (after a quarantine)."""
-    reason: str
-    attempts: int
-    not_ready: int
-    """How many `NACK_NOT_READY`s it was answered before it ended."""
-
-
-class ECSide:
+class ECSide(ProducerEdges, ConsumerEdges):
     """The P2P encoder-cache tier of one instance over real NIXL, ZMQ and `/dev/shm`."""
+
+    scheduler: ECScheduler
+    worker: ECWorker
 
     def __init__(
         self,
@@ -146,6 +127,7 @@ class ECSide:
             )
         self.layout = layout
         self.compat_hash = compat_hash
+        self.clock = clock
         self.encoder_cache: MutableMapping[str, torch.Tensor] = (
             {} if encoder_cache is None else encoder_cache
         )
@@ -157,7 +139,7 @@ class ECSide:
             ttl_ms=round(self.extra.zmq_heartbeat_ttl_s * 1000),
         )
         # Counters and observers.
-        self.rejected = 0
+        self.rejections = RejectionLog(log, what="control message")
         self.acks_sent: Counter[str] = Counter()
         self.acks_undelivered = 0
         self.ack_observers: list[Callable[[XferAck], None]] = []
@@ -188,7 +170,6 @@ class ECSide:
                 shm_dir,
                 region_prefix,
                 machine_config,
-                clock,
                 copy_engine_factory,
             )
         except BaseException:
@@ -205,7 +186,6 @@ class ECSide:
         shm_dir: str,
         region_prefix: str,
         machine_config: Mapping[str, float] | None,
-        clock: Clock,
         copy_engine_factory: CopyEngineFactory | None,
     ) -> None:
         config, layout = self.config, self.layout
@@ -240,12 +220,11 @@ class ECSide:
             config,
             layout,
             compat_hash=self.compat_hash,
-            clock=clock,
             env=sched_env,
             machine_config=machine_config,
         )
-        self.worker = ECWorker(config, layout, clock=clock, env=sched_env)
-        self.worker.register_caches(self.region.addr, self.region.size)
+        self.worker = ECWorker(config, layout, env=sched_env)
+        self.worker.register_caches(self.region.addr, self.region.size, self.clock())
         if config.is_producer:
             self.scheduler.register_nixl_agent(
                 self.agent.name, self.agent.metadata(), self.region.addr
@@ -260,6 +239,11 @@ class ECSide:
         self.worker.bus.handle(CopyBlocks, self._copy)
         self.worker.bus.handle(CloseRegion, self._close_region)
 
+    @property
+    def rejected(self) -> int:
+        """Control messages rejected so far (bad bytes, unknown or stale requests)."""
+        return self.rejections.total
+
     # -- the engine's calls ----------------------------------------------------------------
 
     def poll(self) -> int:
@@ -267,10 +251,13 @@ class ECSide:
         timeouts. Never blocks; returns how many things it handled."""
         if self._closed:
             return 0
+        return self._poll(self.clock())
+
+    def _poll(self, now: float) -> int:
         self._progress()
-        handled = self._poll_server() + self._poll_clients() + self._poll_reads()
-        handled += self._poll_copies()
-        return handled + self.scheduler.poll()
+        handled = self._poll_server(now) + self._poll_clients(now) + self._poll_reads(now)
+        handled += self._poll_copies(now)
+        return handled + self.scheduler.poll(now)
 
     def _progress(self) -> None:
         """Without a progress thread, one pass of the NIXL backend's progress: a READ
@@ -286,154 +273,20 @@ class ECSide:
         """One engine step of the connector: the scheduler's meta to the worker, loads and
         saves submitted (encoder outputs must be in `encoder_cache`), landed copies
         reported back to the scheduler. Returns what landed since the last step."""
-        self.poll()
-        meta = self.scheduler.build_connector_meta()
-        self.worker.start_load_caches(meta)
-        self.worker.save_caches()
-        self._poll_copies()
-        self.scheduler.update_connector_output(self.worker.build_connector_worker_meta())
-        return self.worker.get_finished()
-
-    # -- producer edges ------------------------------------------------------------------
-
-    def _poll_server(self) -> int:
-        server = self.server
-        if server is None:
-            return 0
-        handled = 0
-        while self._gone_consumers:
-            self.scheduler.on_consumer_disconnected(self._gone_consumers.pop(0))
-            handled += 1
-        for peer, payload in server.poll_requests():
-            handled += 1
-            try:
-                self.scheduler.on_producer_message(peer, payload)
-            except KvHandoffError as exc:  # bad bytes never stop the producer's step
-                self.rejected += 1
-                log.info("rejected a control message: %s", exc)
-        return handled
-
-    def send_ack(self, inst: Instance | None, effect: SendXferAck) -> None:
-        """Executor of `SendXferAck`: reply on the ROUTER to the consumer identity."""
-        self.acks_sent[str(effect.ack.status)] += 1
-        for observer in self.ack_observers:
-            observer(effect.ack)
-        server, peer = self.server, effect.peer
-        sent = False
-        if server is not None and isinstance(peer, bytes):
-            try:
-                sent = self._reply(server, peer, encode_xfer_ack(effect.ack))
-            except (KvHandoffError, RuntimeError, zmq.ZMQError) as exc:
-                log.warning("XferAck %s not sent: %s", effect.ack.transfer_id, exc)
-        if not sent:
-            self.acks_undelivered += 1
-            if isinstance(peer, bytes):
-                self._gone_consumers.append(peer)  # delivered at the next poll
-
-    def _reply(self, server: ControlServer, peer: bytes, data: bytes) -> bool:
-        """The bytes of one `XferAck` onto the wire (fault injection overrides this)."""
-        return server.reply(peer, data)
-
-    def _evicted(self, inst: Instance | None, effect: EncodingEvicted) -> None:
-        log.info("published encoding %s left the tier (%s)", effect.mm_hash, effect.reason)
-        for observer in self.eviction_observers:
-            observer(effect)
-
-    # -- consumer edges: control plane ---------------------------------------------------
-
-    def _client(self, host: str, port: int) -> ControlClient:
-        client = self._clients.get((host, port))
-        if client is None:
-            client = ControlClient(host, port, heartbeat=self.heartbeat, context=self._zmq)
-            self._clients[(host, port)] = client
-        return client
-
-    def _send(self, host: str, port: int, data: bytes, what: str) -> None:
-        try:
-            sent = self._client(host, port).send(data)
-        except (zmq.ZMQError, ValueError, OSError, RuntimeError) as exc:
-            log.warning("%s to %s:%s not sent: %s", what, host, port, exc)
-            return
-        if not sent:  # the ack timeout settles it
-            log.warning("%s to %s:%s not sent: send queue full", what, host, port)
-
-    def send_xfer_req(self, inst: Instance | None, effect: SendXferReq) -> None:
-        """Executor of `SendXferReq`: on the DEALER of the producer peer."""
-        self._send(effect.peer_host, effect.peer_port, encode_xfer_req(effect.req), "XferReq")
-
-    def send_xfer_done(self, inst: Instance | None, effect: SendXferDone) -> None:
-        """Executor of `SendXferDone`: on the DEALER of the producer peer."""
-        if (effect.peer_host, effect.peer_port) not in self._clients:
-            return  # that peer is gone; its grant ends with its lease
-        data = encode_xfer_done(effect.done)
-        self._send(effect.peer_host, effect.peer_port, data, "XferDone")
-
-    def _poll_clients(self) -> int:
-        handled = 0
-        for (host, port), client in list(self._clients.items()):
-            peer = f"{host}:{port}"
-            for data in client.poll_replies():
-                handled += 1
-                try:
-                    self.scheduler.on_xfer_ack(data, peer=peer)
-                except KvHandoffError as exc:  # bad bytes never stop the consumer's step
-                    self.rejected += 1
-                    log.info("rejected an XferAck: %s", exc)
-            before = client.disconnects
-            client.poll_events()
-            if client.disconnects > before:
-                handled += 1
-                log.warning("producer %s disconnected", peer)
-                client.close()
-                del self._clients[(host, port)]
-                if self.reader is not None:
-                    self.reader.peer_lost(host, port)
-                self.scheduler.on_peer_disconnected(host, port)
-        return handled
-
-    # -- consumer edges: data plane ------------------------------------------------------
-
-    def issue_read(self, inst: Instance | None, effect: IssueRead) -> None:
-        """Executor of `IssueRead`: NIXL READ of the granted blocks into ours (R-E11)."""
-        try:
-            if self.reader is None:
-                raise LocalProtocolError("this side cannot READ (not a consumer, or closed)")
-            self.reader.read(effect)
-        except KvHandoffError as exc:
-            log.warning("READ of %s failed to post: %s", effect.mm_hash, exc)
-            self._read_failures.append((effect.mm_hash, effect.transfer_id))
-
-    def _awaited(self, mm_hash: str, transfer_id: str) -> bool:
-        consumer = self.scheduler.consumer
-        read = None if consumer is None else consumer.read(mm_hash)
-        return read is not None and read.ctx.transfer_id == transfer_id
-
-    def _poll_reads(self) -> int:
-        failures, self._read_failures = self._read_failures, []
-        completions = [(mm_hash, transfer_id, False) for mm_hash, transfer_id in failures]
-        if self.reader is not None:
-            completions += self.reader.poll(self._awaited)
-        for mm_hash, transfer_id, ok in completions:
-            if ok:
-                self.scheduler.on_read_done(mm_hash, transfer_id)
-            else:
-                self.scheduler.on_read_failed(mm_hash, transfer_id)
-        return len(completions)
-
-    def _retired(self, inst: Instance) -> None:
-        if inst.kind != CONSUMER_READ_KIND:
-            return
-        ctx = inst.ctx
-        self.read_outcomes[inst.key] = ReadOutcome(
-            inst.state, ctx.reason, ctx.attempt, ctx.not_ready
-        )
-        self.read_outcomes.move_to_end(inst.key)
-        while len(self.read_outcomes) > _MAX_OUTCOMES:
-            self.read_outcomes.popitem(last=False)
+        now = self.clock()
+        worker = self.worker
+        if not self._closed:
+            self._poll(now)
+        meta = self.scheduler.build_connector_meta(now)
+        worker.start_load_caches(meta, now)
+        worker.save_caches(now)
+        self._poll_copies(now)
+        self.scheduler.update_connector_output(worker.build_connector_worker_meta(now), now)
+        return worker.get_finished()
 
     # -- worker edges --------------------------------------------------------------------
 
-    def _copy(self, inst: Instance | None, effect: CopyBlocks) -> None:
+    def _copy(self, inst: Instance[Any] | None, effect: CopyBlocks) -> None:
         engine = self.copy_engine
         try:
             if engine is None:
@@ -443,18 +296,19 @@ class ECSide:
             log.warning("%s batch %s not submitted: %s", effect.direction, effect.batch_id, exc)
             self._copy_failures.append(effect.batch_id)
 
-    def _poll_copies(self) -> int:
+    def _poll_copies(self, now: float) -> int:
+        worker = self.worker
         handled = 0
         while self._copy_failures:
-            self.worker.on_copy_done(self._copy_failures.pop(0), False)
+            worker.on_copy_done(self._copy_failures.pop(0), now, ok=False)
             handled += 1
         if self.copy_engine is not None:
             for batch_id, ok in self.copy_engine.poll():
-                self.worker.on_copy_done(batch_id, ok)
+                worker.on_copy_done(batch_id, now, ok=ok)
                 handled += 1
         return handled
 
-    def _close_region(self, inst: Instance | None, effect: CloseRegion) -> None:
+    def _close_region(self, inst: Instance[Any] | None, effect: CloseRegion) -> None:
         """Executor of `CloseRegion`: unmap the region; unlink it when we own it (R-E03)."""
         if self.copy_engine is not None:
             self.copy_engine.close()
@@ -494,6 +348,7 @@ class ECSide:
             )
         out.update(
             rejected=self.rejected,
+            rejected_by_reason=self.rejections.reasons(),
             reads_in_flight=self.reads_in_flight(),
             acks_sent=dict(self.acks_sent),
             acks_undelivered=self.acks_undelivered,
@@ -515,9 +370,9 @@ class ECSide:
             self.server.close()
         if self.agent is not None:
             self.agent.close()  # deregisters the region before it is unmapped
-        worker = getattr(self, "worker", None)
+        worker: ECWorker | None = getattr(self, "worker", None)
         if worker is not None:
-            worker.shutdown()  # CloseRegion: unmap, and unlink as the owner
+            worker.shutdown(self.clock())  # CloseRegion: unmap, and unlink as the owner
         elif self.region is not None:
             self._close_region(None, CloseRegion(unlink=True))
 

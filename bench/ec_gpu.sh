@@ -9,8 +9,9 @@
 #   5. kvhandoff.bench.probes.ec_kernel: device-side throughput of each copy primitive (SKIP_PROBE=1);
 #   6. `kvhandoff bench ec --json` (the CPU copy path, same machine); SKIP_CPU=1 skips it;
 #   7. kvhandoff.bench.probes.ec_overhead: where a small batch's host time goes, and the engine
-#      against an earlier one in the same process (OLD=path/to/ec_copy_cuda.py, e.g. from
-#      `git show <commit>:adapters/cuda/ec_copy.py`); SKIP_OVERHEAD=1 skips it.
+#      against an earlier one in the same process (OLD=path/to/ec_copy.py from a commit before
+#      that engine was split into modules, e.g. `git show <commit>:adapters/cuda/ec_copy.py`);
+#      SKIP_OVERHEAD=1 skips it.
 # Each step has its own time limit so that one stuck step cannot eat the others' time.
 set -u
 OUT=${OUT:-/tmp/kvhandoff-ec}

@@ -315,12 +315,7 @@ class _Side:
     # engine-like helpers
 
     def step(self) -> PushConnectorOutput:
-        sched = self.side.scheduler
-        meta = sched.build_connector_meta()
-        self.side.worker.start_load_kv(meta)
-        output = self.side.get_finished()
-        sched.update_connector_output(output)
-        return output
+        return self.side.step()
 
     def idle(self) -> None:
         time.sleep(self.cfg.step_us / 1e6)
@@ -382,7 +377,7 @@ class _Prefill(_Side):
         emit("prepared", rep=rep)
 
     def go(self, rep: int) -> None:
-        sched = self.side.scheduler
+        side = self.side
         todo = [(self.request_id(rep, q), blocks) for q, blocks in enumerate(self.kv.blocks)]
         pending = {rid for rid, _ in todo}
         per_step = self.cfg.finish_per_step or len(todo)
@@ -392,7 +387,7 @@ class _Prefill(_Side):
         t_first = time.monotonic()
         while pending and time.monotonic() < deadline:
             for rid, blocks in todo[:per_step]:
-                sched.request_finished(rid, blocks, {"do_remote_decode": True})
+                side.request_finished(rid, blocks, {"do_remote_decode": True})
             todo = todo[per_step:]
             output = self.step()
             t_step = t_step or time.monotonic()
@@ -444,7 +439,7 @@ class _Prefill(_Side):
         t_done = time.monotonic()
         agent.release(handle)
         self.start_writer()
-        emit("baseline_sent", rep=rep, t0=t0, t_done=t_done, state=handle.state)
+        emit("baseline_sent", rep=rep, t0=t0, t_done=t_done, state=handle.xfer_status)
 
     def raw_go(self, rep: int, per_request: bool) -> None:
         """Diagnostic, no framework: the framework's block descriptors in raw WRITEs, either
@@ -470,7 +465,7 @@ class _Prefill(_Side):
         for handle in handles:
             while agent.poll(handle) == "PROC" and time.monotonic() < deadline:
                 pass
-            states.add(handle.state)
+            states.add(handle.xfer_status)
             agent.release(handle)
         t_done = time.monotonic()
         self.start_writer()
@@ -496,10 +491,10 @@ class _Decode(_Side):
         self.transport.get_new_notifs = timed_get_new_notifs  # type: ignore[method-assign]
 
     def arm(self, rep: int) -> None:
-        from kvhandoff.machines.push.d_registration import KIND as D_KIND
+        from kvhandoff.machines.push.d_registration import D_REGISTRATION
         from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 
-        sched = self.side.scheduler
+        side = self.side
         self.kv.poison()
         self.sync()
         prefill = PrefillCoordinates("bench-prefill", "127.0.0.1", self.prefill_port, 1)
@@ -507,10 +502,10 @@ class _Decode(_Side):
         for q, blocks in enumerate(self.kv.blocks):
             rid = self.request_id(rep, q)
             leg = decode_leg({"request_id": self.client_id(rep, q)}, prefill)
-            sched.update_state_after_alloc(rid, blocks, leg["kv_transfer_params"])
+            side.update_state_after_alloc(rid, blocks, leg["kv_transfer_params"])
             rids.append(rid)
         deadline = self.deadline()
-        bus = self.side.bus
+        bus = side.bus
         pending = set(rids)
         failed: dict[str, str] = {}
         received_before_armed = 0
@@ -520,7 +515,7 @@ class _Decode(_Side):
             pending -= output.finished_recving
             failed.update(output.failed_recving)
             pending -= set(output.failed_recving)
-            if not any(_unsent(bus.get(D_KIND, rid)) for rid in pending):
+            if not any(bus.has_tag(D_REGISTRATION, rid, "reg_unsent") for rid in pending):
                 break
             self.idle()
         self.t_notif_first = None
@@ -595,14 +590,6 @@ class _Decode(_Side):
             if not missing:
                 return time.monotonic()
         return None
-
-
-_UNSENT = frozenset({"stashed", "in_meta", "queued", "awaiting_handshake"})
-
-
-def _unsent(inst: Any) -> bool:
-    """True while a D registration's PUSH_REG has not left yet."""
-    return inst is not None and inst.state in _UNSENT
 
 
 IDLE_STEP_S = 0.001

@@ -1,7 +1,8 @@
 """Engine-facing API of the encoder-cache tier: scheduler and worker halves (issue 4).
 
-Local-tier tests drive `ECScheduler`/`ECWorker` directly; P2P tests run a producer and a
-consumer over the seeded in-memory planes of `adapters/sim_ec_plane.py` on a virtual clock.
+Local-tier tests drive `ECScheduler`/`ECWorker` directly at a fixed time (`NOW`); P2P
+tests run a producer and a consumer over the seeded in-memory planes of `sim/ec/plane.py`
+on a virtual clock, passing its time to every call.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import pytest
 
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
 from kvhandoff.machines.ec.connector import ECCPUConnector
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, IssueRead, SendXferReq
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
+from kvhandoff.machines.ec.events import Saved
 from kvhandoff.machines.ec.meta import ECConnectorMeta, ECRequestInfo, ECWorkerMeta
 from kvhandoff.machines.ec.nixl_gate import NIXL_MISSING_MESSAGE
 from kvhandoff.machines.ec.producer_grant import SendXferAck
+from kvhandoff.machines.ec.request import EC_REQUEST
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.ec.worker import ECWorker
 from kvhandoff.machines.ec.worker_region import CloseRegion
-from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.ec_config import ECRole
 from kvhandoff.protocol.ec_publication import parse_ec_transfer_params
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
@@ -38,6 +41,7 @@ from kvhandoff.sim.ec.plane import BLOCK_BYTES, COMPAT, layout, transfer_config
 from kvhandoff.sim.ec.plane import SimECPlane as Sim
 
 META = {"image_grid_thw": [1, 4, 4]}
+NOW = 0.0
 
 
 def local(role: ECRole, num_blocks: int = 8) -> tuple[ECScheduler, ECWorker]:
@@ -45,7 +49,7 @@ def local(role: ECRole, num_blocks: int = 8) -> tuple[ECScheduler, ECWorker]:
     lay = layout(num_blocks)
     scheduler = ECCPUConnector.scheduler(config, lay)
     worker = ECCPUConnector.worker(config, lay)
-    worker.register_caches(0, lay.region_bytes)
+    worker.register_caches(0, lay.region_bytes, NOW)
     return scheduler, worker
 
 
@@ -53,14 +57,14 @@ def run_step(
     scheduler: ECScheduler, worker: ECWorker, *, land: bool = True
 ) -> tuple[ECConnectorMeta, list[CopyBlocks]]:
     """One engine step; every copy lands at once unless `land` is False."""
-    meta = scheduler.build_connector_meta()
-    worker.start_load_caches(meta)
-    worker.save_caches()
+    meta = scheduler.build_connector_meta(NOW)
+    worker.start_load_caches(meta, NOW)
+    worker.save_caches(NOW)
     copies = [e for e in worker.drain_effects() if isinstance(e, CopyBlocks)]
     if land:
         for copy in copies:
-            worker.on_copy_done(copy.batch_id)
-    scheduler.update_connector_output(worker.build_connector_worker_meta())
+            worker.on_copy_done(copy.batch_id, NOW)
+    scheduler.update_connector_output(worker.build_connector_worker_meta(NOW), NOW)
     return meta, copies
 
 
@@ -70,7 +74,7 @@ def request(rid: str, *hashes: str, **fields: Any) -> ECRequestInfo:
 
 def encode(scheduler: ECScheduler, worker: ECWorker, rid: str, mm_hash: str, tokens: int) -> None:
     req = request(rid, mm_hash, mm_metadata={mm_hash: META})
-    scheduler.update_state_after_alloc(req, mm_hash, tokens)
+    scheduler.update_state_after_alloc(req, mm_hash, tokens, NOW)
     run_step(scheduler, worker)
 
 
@@ -94,10 +98,10 @@ def test_R_E01_missing_ec_cpu_bytes_raises_value_error() -> None:
 
 def test_R_E01_consumer_ack_timeout_s_sets_the_ack_deadline() -> None:
     config = transfer_config("ec_consumer", 16, engine_id="slow", consumer_ack_timeout_s=7.5)
-    scheduler = ECScheduler(config, layout(16), compat_hash=COMPAT, clock=VirtualClock())
+    scheduler = ECScheduler(config, layout(16), compat_hash=COMPAT)
     params = {"h": {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}}
-    assert not scheduler.ensure_cache_available(request("r", "h", ec_transfer_params=params))
-    assert scheduler.bus.deadline_of("ec.consumer_read", "h") == 7.5
+    assert not scheduler.ensure_cache_available(request("r", "h", ec_transfer_params=params), NOW)
+    assert scheduler.bus.deadline_of(EC_CONSUMER_READ, "h") == 7.5
 
 
 @pytest.mark.parametrize("half", ["scheduler", "worker"])
@@ -124,8 +128,8 @@ def test_R_E02_local_tier_has_no_p2p_halves() -> None:
     scheduler, _ = local("ec_both")
     assert scheduler.consumer is None and scheduler.producer is None
     with pytest.raises(LocalProtocolError, match="not a P2P consumer"):
-        scheduler.on_xfer_ack(b"")
-    assert scheduler.request_finished(request("r", "h", mm_metadata={"h": META})) == {}
+        scheduler.on_xfer_ack(b"", NOW)
+    assert scheduler.request_finished(request("r", "h", mm_metadata={"h": META}), NOW) == {}
 
 
 def test_R_E02_connector_name_is_checked() -> None:
@@ -153,25 +157,25 @@ def test_R_E13_a_producer_alone_runs_encoder_only(role: ECRole, encoder_only: bo
 def test_R_E04_R_E05_save_then_load_round_trip_on_ec_both() -> None:
     scheduler, worker = local("ec_both")
     req = request("r1", "h")
-    scheduler.update_state_after_alloc(req, "h", 3)
+    scheduler.update_state_after_alloc(req, "h", 3, NOW)
     assert not scheduler.has_cache_item("h"), "not ready before the save lands"
     meta, copies = run_step(scheduler, worker, land=False)
     assert [item.mm_hash for item in meta.saves] == ["h"] and meta.loads == ()
     assert [c.direction for c in copies] == ["save"]
     assert not scheduler.has_cache_item("h"), "still saving: end event not seen"
-    worker.on_copy_done(copies[0].batch_id)
+    worker.on_copy_done(copies[0].batch_id, NOW)
     assert worker.get_finished().saved == {"h"}
-    scheduler.update_connector_output(worker.build_connector_worker_meta())
+    scheduler.update_connector_output(worker.build_connector_worker_meta(NOW), NOW)
     assert scheduler.has_cache_item("h")
-    assert scheduler.ensure_cache_available(request("r2", "h"))
+    assert scheduler.ensure_cache_available(request("r2", "h"), NOW)
     assert scheduler.cache.state("h") == "pinned", "held until its load is scheduled"
-    scheduler.update_state_after_alloc(request("r2", "h"), "h", 3)
+    scheduler.update_state_after_alloc(request("r2", "h"), "h", 3, NOW)
     meta, copies = run_step(scheduler, worker, land=False)
     assert [item.blocks for item in meta.loads] == [(0, 1, 2)]
     assert scheduler.cache.state("h") == "pinned", "pinned while loading"
-    worker.on_copy_done(copies[0].batch_id)
-    scheduler.update_connector_output(worker.build_connector_worker_meta())
-    scheduler.request_finished(request("r2", "h"))
+    worker.on_copy_done(copies[0].batch_id, NOW)
+    scheduler.update_connector_output(worker.build_connector_worker_meta(NOW), NOW)
+    scheduler.request_finished(request("r2", "h"), NOW)
     assert scheduler.cache.state("h") == "ready"
     scheduler.cache.check()
 
@@ -180,7 +184,7 @@ def test_R_E04_eviction_under_pressure_is_fifo() -> None:
     scheduler, worker = local("ec_both", num_blocks=6)
     for index, mm_hash in enumerate(["a", "b", "c"]):
         encode(scheduler, worker, f"r{index}", mm_hash, 2)
-    assert scheduler.ensure_cache_available(request("keep", "a"))  # holds a
+    assert scheduler.ensure_cache_available(request("keep", "a"), NOW)  # holds a
     encode(scheduler, worker, "r3", "d", 2)
     assert scheduler.cache.state("b") is None, "b was the oldest ready and unpinned"
     assert {scheduler.cache.state(h) for h in "acd"} == {"pinned", "ready"}
@@ -195,15 +199,15 @@ def test_R_E04_eviction_under_pressure_is_fifo() -> None:
 
 def test_R_E05_abandoned_and_failed_saves_free_their_blocks() -> None:
     scheduler, worker = local("ec_producer")
-    scheduler.update_state_after_alloc(request("r", "a"), "a", 2)
-    scheduler.update_state_after_alloc(request("r", "b"), "b", 2)
-    worker.start_load_caches(scheduler.build_connector_meta())
-    worker.save_caches(["a"])  # the encoder never produced b
+    scheduler.update_state_after_alloc(request("r", "a"), "a", 2, NOW)
+    scheduler.update_state_after_alloc(request("r", "b"), "b", 2, NOW)
+    worker.start_load_caches(scheduler.build_connector_meta(NOW), NOW)
+    worker.save_caches(NOW, ["a"])  # the encoder never produced b
     (copy,) = [e for e in worker.drain_effects() if isinstance(e, CopyBlocks)]
-    worker.on_copy_done(copy.batch_id, ok=False)
-    report = worker.build_connector_worker_meta()
+    worker.on_copy_done(copy.batch_id, NOW, ok=False)
+    report = worker.build_connector_worker_meta(NOW)
     assert set(report.failed_saves) == {"a", "b"} and not report.saved
-    scheduler.update_connector_output(report)
+    scheduler.update_connector_output(report, NOW)
     assert scheduler.cache.pool.free_count == scheduler.layout.num_blocks
 
 
@@ -213,29 +217,29 @@ def test_R_E03_only_tp0_pcp0_writes_and_the_owner_unlinks() -> None:
     reader = ECCPUConnector.worker(config, layout(8), tp_rank=1, pcp_rank=0)
     other_pcp = ECCPUConnector.worker(config, layout(8), tp_rank=0, pcp_rank=1)
     scheduler = ECScheduler(config, layout(8))
-    scheduler.update_state_after_alloc(request("r", "h"), "h", 2)
-    meta = scheduler.build_connector_meta()
+    scheduler.update_state_after_alloc(request("r", "h"), "h", 2, NOW)
+    meta = scheduler.build_connector_meta(NOW)
     for worker in (writer, reader, other_pcp):
-        worker.register_caches(0, layout(8).region_bytes)
-        worker.start_load_caches(meta)
-        worker.save_caches()
+        worker.register_caches(0, layout(8).region_bytes, NOW)
+        worker.start_load_caches(meta, NOW)
+        worker.save_caches(NOW)
     assert [type(e) for e in writer.drain_effects()] == [CopyBlocks]
     assert reader.drain_effects() == [] and other_pcp.drain_effects() == []
     for worker, unlink in ((writer, True), (reader, False)):
-        worker.shutdown()
-        worker.shutdown()  # idempotent
+        worker.shutdown(NOW)
+        worker.shutdown(NOW)  # idempotent
         assert worker.drain_effects() == [CloseRegion(unlink=unlink)]
         with pytest.raises(LocalProtocolError, match="register_caches"):
-            worker.start_load_caches(ECConnectorMeta())
+            worker.start_load_caches(ECConnectorMeta(), NOW)
 
 
 def test_R_E03_worker_refuses_copies_before_registration_and_small_regions() -> None:
     config = transfer_config("ec_both", 8, engine_id="e", p2p=False)
     worker = ECWorker(config, layout(8))
     with pytest.raises(LocalProtocolError, match="register_caches"):
-        worker.save_caches()
+        worker.save_caches(NOW)
     with pytest.raises(LocalProtocolError, match="cannot hold"):
-        worker.register_caches(0, BLOCK_BYTES)
+        worker.register_caches(0, BLOCK_BYTES, NOW)
 
 
 # -- P2P: publication, reads, NACKs ------------------------------------------------------
@@ -251,7 +255,7 @@ def produce(sim: Sim, mm_hash: str, tokens: int = 2, *, land: bool = True) -> di
     sim.engine_step(sim.producer, [(req, mm_hash, tokens)])
     if land:
         sim.advance(1.0, step=lambda: step_both(sim))
-    return sim.producer.scheduler.request_finished(req)
+    return sim.producer.scheduler.request_finished(req, sim.clock.now)
 
 
 def consume(
@@ -265,8 +269,8 @@ def consume(
     )
     scheduler = sim.consumer.scheduler
     waited = 0.0
-    while not scheduler.ensure_cache_available(req):
-        if scheduler.bus.get("ec.request", rid).state == "failed":  # type: ignore[union-attr]
+    while not scheduler.ensure_cache_available(req, sim.clock.now):
+        if scheduler.bus.has_tag(EC_REQUEST, rid, "failed_cleanly"):
             sim.consumer.failed.extend(scheduler.take_failed_requests())
             return False
         assert waited <= budget, f"{rid} still waits after {waited} s"
@@ -286,7 +290,9 @@ def test_R_E06_publication_metadata_and_address_together_or_neither() -> None:
     too_big = produce(sim, "big", 5)  # the region holds 4 blocks: never stored
     assert too_big == {"big": {"metadata": {}}}
     no_metadata = request("p-x", "h")  # resident, but the model gave no metadata
-    assert sim.producer.scheduler.request_finished(no_metadata) == {"h": {"metadata": {}}}
+    assert sim.producer.scheduler.request_finished(no_metadata, sim.clock.now) == {
+        "h": {"metadata": {}}
+    }
     assert parse_ec_transfer_params(too_big) == {"big": None}
 
 
@@ -294,7 +300,7 @@ def test_R_E07_consumer_defers_until_the_read_completes() -> None:
     sim = Sim(2)
     params = produce(sim, "h", 3)
     req = request("c1", "h", ec_transfer_params=params)
-    assert not sim.consumer.scheduler.ensure_cache_available(req)
+    assert not sim.consumer.scheduler.ensure_cache_available(req, sim.clock.now)
     assert sim.consumer.scheduler.consumer.read("h").state == "xfer_req_sent"  # type: ignore[union-attr]
     assert consume(sim, "c1", params)
     assert sim.consumer.scheduler.has_cache_item("h")
@@ -308,8 +314,8 @@ def test_R_E08_not_ready_retries_next_step_and_evicts_nothing_B04() -> None:
     sim = Sim(3, consumer_blocks=4, copy_delay=(3.0, 3.0))
     scheduler = sim.consumer.scheduler
     for filler in ("f1", "f2"):  # fill the consumer's tier with ready entries
-        scheduler.cache.reserve(filler, 1, BLOCK_BYTES, "save")
-        scheduler.cache.deliver(filler, "saved")
+        scheduler.cache.reserve(filler, 1, BLOCK_BYTES, "save", sim.clock.now)
+        scheduler.cache.deliver(filler, Saved(), sim.clock.now)
     params = produce(sim, "h", 2, land=False)  # the producer's save lands in 3 s
     assert consume(sim, "c1", params)
     retries = sum(1 for _, _, status in sim.delivered_acks if status == "NACK_NOT_READY")
@@ -325,7 +331,7 @@ def test_R_E08_missing_encoding_falls_back_locally() -> None:
     sim.restart_producer()  # the new producer does not hold h
     assert consume(sim, "c1", params)
     assert not sim.consumer.scheduler.has_cache_item("h")
-    inst = sim.consumer.scheduler.bus.get("ec.request", "c1")
+    inst = sim.consumer.scheduler.bus.get(EC_REQUEST, "c1")
     assert inst is not None and inst.ctx.local == {"h": "NACK_MISSING"}
     assert sim.consumer.scheduler.cache.pool.free_count == 16, "destination freed"
 
@@ -335,7 +341,7 @@ def test_R_E12_ack_timeout_falls_back_and_quarantine_keeps_the_destination() -> 
     params = produce(sim, "h", 2)
     sim.drop_next = 1  # the XferReq is lost
     assert consume(sim, "c1", params, budget=2.5)
-    inst = sim.consumer.scheduler.bus.get("ec.request", "c1")
+    inst = sim.consumer.scheduler.bus.get(EC_REQUEST, "c1")
     assert inst is not None and inst.ctx.local == {"h": "ack_timeout"}
     sim.read_faults.append("hang")
     assert consume(sim, "c2", params, budget=21.0)
@@ -368,8 +374,6 @@ def test_R_E11_restarted_producer_is_read_with_the_metadata_of_its_ack() -> None
     sim.restart_producer()
     params = produce(sim, "h")
     reads: list[Any] = []
-    from kvhandoff.machines.ec.consumer_read import IssueRead
-
     handler = sim.consumer.scheduler.bus._handlers[IssueRead]
     sim.consumer.scheduler.bus.handle(IssueRead, lambda i, e: (reads.append(e), handler(i, e)))
     assert consume(sim, "c1", params)
@@ -395,9 +399,9 @@ def test_B05_lost_encoding_with_rewritten_media_fails_the_request_cleanly() -> N
     assert not consume(sim, "c1", params, metadata_only=True)
     (failure,) = sim.consumer.failed
     assert failure.request_id == "c1" and "NACK_MISSING" in failure.reason
-    assert not sim.consumer.scheduler.ensure_cache_available(request("c1", "h"))
-    sim.consumer.scheduler.request_finished(request("c1", "h"))
-    assert sim.consumer.scheduler.bus.get("ec.request", "c1") is None
+    assert not sim.consumer.scheduler.ensure_cache_available(request("c1", "h"), sim.clock.now)
+    sim.consumer.scheduler.request_finished(request("c1", "h"), sim.clock.now)
+    assert sim.consumer.scheduler.bus.get(EC_REQUEST, "c1") is None
 
 
 def test_B05_unservable_publication_with_rewritten_media_fails_at_once() -> None:
@@ -405,7 +409,7 @@ def test_B05_unservable_publication_with_rewritten_media_fails_at_once() -> None
     req = request(
         "r", "h", ec_transfer_params={"h": {"metadata": {}}}, metadata_only=frozenset("h")
     )
-    assert not scheduler.ensure_cache_available(req)
+    assert not scheduler.ensure_cache_available(req, NOW)
     (failure,) = scheduler.take_failed_requests()
     assert "unservable" in failure.reason
 
@@ -414,9 +418,9 @@ def test_B05_failed_load_fails_its_request() -> None:
     scheduler, worker = local("ec_both")
     encode(scheduler, worker, "r0", "h", 2)
     req = request("r1", "h")
-    assert scheduler.ensure_cache_available(req)
-    scheduler.update_state_after_alloc(req, "h", 2)
-    scheduler.update_connector_output(ECWorkerMeta(failed_loads=("h",)))
+    assert scheduler.ensure_cache_available(req, NOW)
+    scheduler.update_state_after_alloc(req, "h", 2, NOW)
+    scheduler.update_connector_output(ECWorkerMeta(failed_loads=("h",)), NOW)
     (failure,) = scheduler.take_failed_requests()
     assert failure.request_id == "r1" and "loading" in failure.reason
     assert scheduler.cache.state("h") == "ready"
@@ -443,7 +447,7 @@ def a_request(**overrides: Any) -> XferReq:
 def producer_answers(sim: Sim, data: bytes) -> XferAck:
     sent: list[SendXferAck] = []
     sim.producer.scheduler.bus.handle(SendXferAck, lambda i, e: sent.append(e))
-    sim.producer.scheduler.on_producer_message(b"peer", data)
+    sim.producer.scheduler.on_producer_message(b"peer", data, sim.clock.now)
     (effect,) = sent
     return decode_xfer_ack(encode_xfer_ack(effect.ack))
 
@@ -476,7 +480,7 @@ def test_R_E09_malformed_producer_input_is_a_counted_remote_error(data: bytes) -
     sim = Sim(11)
     produce(sim, "h")
     with pytest.raises(RemoteProtocolError):
-        sim.producer.scheduler.on_producer_message(b"peer", data)
+        sim.producer.scheduler.on_producer_message(b"peer", data, sim.clock.now)
     assert sim.producer.scheduler.counters()["producer_remote_errors"] == 1
     assert sim.producer.scheduler.producer.grants() == []  # type: ignore[union-attr]
 
@@ -484,12 +488,16 @@ def test_R_E09_malformed_producer_input_is_a_counted_remote_error(data: bytes) -
 def test_R_E09_duplicate_transfer_and_unknown_done_are_remote_errors() -> None:
     sim = Sim(12)
     produce(sim, "h")
-    sim.producer.scheduler.on_producer_message(b"peer", encode_xfer_req(a_request()))
+    sim.producer.scheduler.on_producer_message(b"peer", encode_xfer_req(a_request()), sim.clock.now)
     with pytest.raises(RemoteProtocolError, match="already granted"):
-        sim.producer.scheduler.on_producer_message(b"peer", encode_xfer_req(a_request()))
+        sim.producer.scheduler.on_producer_message(
+            b"peer", encode_xfer_req(a_request()), sim.clock.now
+        )
     done = XferDone(version=EC_CONNECTOR_VERSION, transfer_id="t1", mm_hash="h", ok=True)
     with pytest.raises(RemoteProtocolError, match="no live grant"):
-        sim.producer.scheduler.on_producer_message(b"other-peer", encode_xfer_done(done))
+        sim.producer.scheduler.on_producer_message(
+            b"other-peer", encode_xfer_done(done), sim.clock.now
+        )
     assert sim.producer.scheduler.counters()["producer_remote_errors"] == 2
     assert sim.producer.scheduler.cache.state("h") == "pinned", "the real grant is untouched"
 
@@ -499,7 +507,7 @@ def test_R_E08_malformed_or_unknown_acks_are_counted_and_change_nothing() -> Non
     params = produce(sim, "h")
     sim.drop_next = 1
     scheduler = sim.consumer.scheduler
-    scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params))
+    scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params), sim.clock.now)
     read = scheduler.consumer.read("h")  # type: ignore[union-attr]
     assert read is not None and read.state == "xfer_req_sent"
     tid = read.ctx.transfer_id
@@ -512,11 +520,11 @@ def test_R_E08_malformed_or_unknown_acks_are_counted_and_change_nothing() -> Non
     ]
     for data in cases:
         with pytest.raises(RemoteProtocolError):
-            scheduler.on_xfer_ack(data, peer="producer")
+            scheduler.on_xfer_ack(data, sim.clock.now, peer="producer")
     assert scheduler.counters()["consumer_remote_errors"] == len(cases)
     assert read.state == "xfer_req_sent" and read.ctx.transfer_id == tid
     stale = XferAck(1, tid[:-1] + "0", "h", XferStatus.NACK_NOT_READY, "")
-    scheduler.on_xfer_ack(encode_xfer_ack(stale))
+    scheduler.on_xfer_ack(encode_xfer_ack(stale), sim.clock.now)
     assert scheduler.counters()["stale_acks"] == 1, "an earlier attempt's ack is only stale"
 
 
@@ -525,7 +533,7 @@ def test_R_E08_wrong_version_ack_falls_back() -> None:
     params = produce(sim, "h")
     sim.ack_faults.append("NACK_VERSION")
     assert consume(sim, "c1", params)
-    inst = sim.consumer.scheduler.bus.get("ec.request", "c1")
+    inst = sim.consumer.scheduler.bus.get(EC_REQUEST, "c1")
     assert inst is not None and inst.ctx.local == {"h": "NACK_VERSION"}
 
 
@@ -540,12 +548,12 @@ def test_R_E06_malformed_ec_transfer_params_are_counted_and_encoded_locally() ->
 
 def test_R_E05_saves_of_a_step_that_never_reported_are_failed_later() -> None:
     scheduler, worker = local("ec_producer")
-    scheduler.update_state_after_alloc(request("r", "a"), "a", 2)
-    worker.start_load_caches(scheduler.build_connector_meta())
-    worker.start_load_caches(scheduler.build_connector_meta())  # no save, no report
-    report = worker.build_connector_worker_meta()
+    scheduler.update_state_after_alloc(request("r", "a"), "a", 2, NOW)
+    worker.start_load_caches(scheduler.build_connector_meta(NOW), NOW)
+    worker.start_load_caches(scheduler.build_connector_meta(NOW), NOW)  # no save, no report
+    report = worker.build_connector_worker_meta(NOW)
     assert report.failed_saves == ("a",)
-    scheduler.update_connector_output(report)
+    scheduler.update_connector_output(report, NOW)
     assert scheduler.cache.state("a") is None
 
 
@@ -553,40 +561,42 @@ def test_R_E07_a_landed_read_is_held_for_its_waiting_requests() -> None:
     sim = Sim(16, consumer_blocks=3)
     params = produce(sim, "h", 3)
     scheduler = sim.consumer.scheduler
-    assert not scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params))
+    assert not scheduler.ensure_cache_available(
+        request("c1", "h", ec_transfer_params=params), sim.clock.now
+    )
     sim.advance(2.0, step=lambda: step_both(sim))  # the read lands; c1 has not come back
     assert scheduler.cache.state("h") == "pinned", "held: pressure cannot evict it first"
-    scheduler.cache.reserve("x", 3, 24, "save")
+    scheduler.cache.reserve("x", 3, 24, "save", sim.clock.now)
     assert scheduler.cache.state("h") == "pinned"
-    assert scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params))
+    assert scheduler.ensure_cache_available(
+        request("c1", "h", ec_transfer_params=params), sim.clock.now
+    )
 
 
 def test_R_E02_publication_without_p2p_is_encoded_locally() -> None:
     scheduler, _ = local("ec_consumer")
     params = {"h": {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}}
-    assert scheduler.ensure_cache_available(request("r", "h", ec_transfer_params=params))
-    inst = scheduler.bus.get("ec.request", "r")
+    assert scheduler.ensure_cache_available(request("r", "h", ec_transfer_params=params), NOW)
+    inst = scheduler.bus.get(EC_REQUEST, "r")
     assert inst is not None and "P2P is off" in inst.ctx.local["h"]
 
 
 def test_B05_synchronous_send_failure_fails_a_rewritten_request_without_crashing() -> None:
-    from kvhandoff.machines.ec.consumer_read import SendXferReq
-
     config = transfer_config("ec_consumer", 8, engine_id="c")
-    scheduler = ECScheduler(config, layout(8), compat_hash=COMPAT, clock=VirtualClock())
+    scheduler = ECScheduler(config, layout(8), compat_hash=COMPAT)
     # A ZMQ adapter whose connect is refused reports the disconnect from inside the send.
     scheduler.bus.handle(
-        SendXferReq, lambda inst, e: scheduler.on_peer_disconnected(e.peer_host, e.peer_port)
+        SendXferReq, lambda inst, e: scheduler.on_peer_disconnected(e.peer_host, e.peer_port, NOW)
     )
     entry = {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}
     req = request(
         "r", "a", "b", ec_transfer_params={"a": entry, "b": entry}, metadata_only=frozenset("ab")
     )
-    assert not scheduler.ensure_cache_available(req)
+    assert not scheduler.ensure_cache_available(req, NOW)
     (failure,) = scheduler.take_failed_requests()
     assert "peer_disconnected" in failure.reason
     assert scheduler.cache.pool.free_count == 8
-    assert not scheduler.ensure_cache_available(req), "stays failed until finished"
+    assert not scheduler.ensure_cache_available(req, NOW), "stays failed until finished"
 
 
 def test_R_E12_an_ack_that_arrives_after_its_timeout_starts_no_read() -> None:
@@ -597,13 +607,13 @@ def test_R_E12_an_ack_that_arrives_after_its_timeout_starts_no_read() -> None:
     params = produce(sim, "h", 2)
     req = request("c1", "h", ec_transfer_params=params)
     scheduler = sim.consumer.scheduler
-    assert not scheduler.ensure_cache_available(req)  # the XferReq is on its way
+    assert not scheduler.ensure_cache_available(req, sim.clock.now)  # the XferReq is on its way
     read = scheduler.consumer.read("h")  # type: ignore[union-attr]
     assert read is not None and read.state == "xfer_req_sent"
-    ack = producer_answers(sim, encode_xfer_req(read.ctx.request("h")))
+    ack = producer_answers(sim, encode_xfer_req(read.ctx.request()))
     assert ack.status is XferStatus.OK
     sim.clock.advance(31.0)  # the consumer stalls past its ack timeout and the lease
     with pytest.raises(RemoteProtocolError, match="no read awaits"):  # a stale ack
-        scheduler.on_xfer_ack(encode_xfer_ack(ack), peer="producer")
+        scheduler.on_xfer_ack(encode_xfer_ack(ack), sim.clock.now, peer="producer")
     assert read.state == "fallback_local" and read.ctx.reason == "ack_timeout"
     assert sim.reads_started == 0, "no READ of a grant whose lease may be over"

@@ -16,6 +16,7 @@ from kvhandoff.machines.ec.connector import ECCPUConnector
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
 from kvhandoff.machines.ec.meta import CopyItem, ECRequestInfo
 from kvhandoff.machines.ec.worker_region import CloseRegion
+from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.errors import LocalProtocolError
 
@@ -193,31 +194,33 @@ def test_R_E03_R_E04_R_E05_local_tier_over_a_real_region(tmp_path: Path) -> None
         CopyBlocks, lambda _i, e: engine.submit(e.batch_id, e.direction, e.items, cache)
     )
     worker.bus.handle(CloseRegion, lambda _i, e: closed.append(e))
-    worker.register_caches(region.addr, region.size)
+    clock = VirtualClock()
+    worker.register_caches(region.addr, region.size, clock.now)
 
     def step() -> None:
-        meta = scheduler.build_connector_meta()
-        worker.start_load_caches(meta)
-        worker.save_caches()
+        now = clock.advance(0.01)  # one engine step
+        meta = scheduler.build_connector_meta(now)
+        worker.start_load_caches(meta, now)
+        worker.save_caches(now)
         for batch_id, ok in engine.poll():
-            worker.on_copy_done(batch_id, ok)
-        scheduler.update_connector_output(worker.build_connector_worker_meta())
+            worker.on_copy_done(batch_id, now, ok=ok)
+        scheduler.update_connector_output(worker.build_connector_worker_meta(now), now)
 
     source = encoder_output(5, 42)
     cache["img"] = source
     first = ECRequestInfo("r1", ("img",))
-    scheduler.update_state_after_alloc(first, "img", 5)
+    scheduler.update_state_after_alloc(first, "img", 5, clock.now)
     step()
     assert scheduler.cache.state("img") == "ready"
     del cache["img"]  # the GPU encoder cache let it go
     second = ECRequestInfo("r2", ("img",))
-    assert scheduler.ensure_cache_available(second)
+    assert scheduler.ensure_cache_available(second, clock.now)
     cache["img"] = torch.empty(5, HIDDEN, dtype=torch.bfloat16)
-    scheduler.update_state_after_alloc(second, "img", 5)
+    scheduler.update_state_after_alloc(second, "img", 5, clock.now)
     step()
     assert same_bytes(cache["img"], source)
     assert scheduler.cache.state("img") == "ready", "unpinned after the load (R-E05)"
-    worker.shutdown()
+    worker.shutdown(clock.now)
     assert closed == [CloseRegion(unlink=True)]
     engine.close()
     tensor = None

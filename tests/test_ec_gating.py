@@ -16,8 +16,11 @@ import pytest
 LOCAL_TIER_MODULES: tuple[str, ...] = (
     "kvhandoff.protocol.ec_status",
     "kvhandoff.protocol.ec_config",
+    "kvhandoff.protocol.ec_extra_config",
+    "kvhandoff.protocol.ec_layout",
     "kvhandoff.protocol.ec_publication",
     "kvhandoff.machines.ec.pool",
+    "kvhandoff.machines.ec.events",
     "kvhandoff.machines.ec.cache_entry",
     "kvhandoff.machines.ec.cache",
     "kvhandoff.machines.ec.copy_batch",
@@ -86,7 +89,7 @@ def test_R_E02_local_connector_halves_built_without_p2p_stack(tmp_path: Path) ->
         "c = ECTransferConfig(ec_connector='ECCPUConnector', ec_role='ec_both',\n"
         "    ec_connector_extra_config={'ec_cpu_bytes': 4096})\n"
         "ECCPUConnector.scheduler(c, ECLayout(8, 2, 4096))\n"
-        "ECCPUConnector.worker(c, ECLayout(8, 2, 4096)).register_caches()\n"
+        "ECCPUConnector.worker(c, ECLayout(8, 2, 4096)).register_caches(0, None, 0.0)\n"
         "forbidden = ",
     )
     proc = subprocess.run(

@@ -24,10 +24,11 @@ import pytest
 import torch
 
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.demo.ec_role import BLOCK_BYTES, COMPAT, DTYPE, HIDDEN, encoding, matches
+from kvhandoff.demo.ec_requests import BLOCK_BYTES, COMPAT, DTYPE, HIDDEN, encoding, matches
 from kvhandoff.demo.launcher import RoleProcess, relay, start_role, stop_all, wait_ready
 from kvhandoff.machines.ec.consumer_read import SendXferReq
 from kvhandoff.machines.ec.meta import ECRequestInfo
+from kvhandoff.machines.ec.request import EC_REQUEST
 from kvhandoff.protocol.ec_config import ECLayout, ECRole, ECTransferConfig
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck, encode_xfer_ack, encode_xfer_req
@@ -111,7 +112,7 @@ def pull(
 
     def available() -> bool:
         side.engine_step()
-        return sched.ensure_cache_available(info)
+        return sched.ensure_cache_available(info, side.clock())
 
     poll_until(available, timeout_s, f"{mm_hash} to be available or settled locally")
     elapsed = time.monotonic() - start
@@ -119,12 +120,12 @@ def pull(
     not_ready = outcome.not_ready if outcome else 0
     attempts = outcome.attempts if outcome else 0
     if not sched.has_cache_item(mm_hash):
-        inst = sched.bus.get("ec.request", info.request_id)
+        inst = sched.bus.get(EC_REQUEST, info.request_id)
         reason = "" if inst is None else inst.ctx.local.get(mm_hash, "")
-        sched.request_finished(info)
+        sched.request_finished(info, side.clock())
         return Pulled("local", reason, None, not_ready, attempts, elapsed)
     side.encoder_cache[mm_hash] = torch.empty(tokens, HIDDEN, dtype=DTYPE)
-    sched.update_state_after_alloc(info, mm_hash, tokens)
+    sched.update_state_after_alloc(info, mm_hash, tokens, side.clock())
     loaded: set[str] = set()
 
     def landed() -> bool:
@@ -132,7 +133,7 @@ def pull(
         return mm_hash in loaded
 
     poll_until(landed, timeout_s, f"{mm_hash} loaded from the tier")
-    sched.request_finished(info)
+    sched.request_finished(info, side.clock())
     tensor = side.encoder_cache.pop(mm_hash)
     return Pulled("p2p", "", tensor, not_ready, attempts, elapsed)
 
@@ -238,7 +239,7 @@ def test_R_E08_B_04_not_ready_then_ok_keeps_the_destination(
 
     def watch(_inst: Any, effect: SendXferReq) -> None:
         entry = consumer.scheduler.cache.entry("img-slow")
-        assert entry is not None and entry.state == "allocated"
+        assert entry is not None and entry.has("awaiting_bytes")
         seen.append(entry.ctx.blocks)
         consumer.send_xfer_req(_inst, effect)
 
@@ -386,9 +387,9 @@ def test_R_E03_sides_unlink_their_regions_at_shutdown() -> None:
         assert oct(os.stat(path).st_mode & 0o777) == "0o600"
         side.encoder_cache["img-local"] = encoding("img-local", 2)
         info = ECRequestInfo("r", ("img-local",), mm_metadata={"img-local": {"m": 1}})
-        side.scheduler.update_state_after_alloc(info, "img-local", 2)
+        side.scheduler.update_state_after_alloc(info, "img-local", 2, side.clock())
         assert "img-local" in side.engine_step().saved
-        params = side.scheduler.request_finished(info)
+        params = side.scheduler.request_finished(info, side.clock())
         assert params["img-local"]["peer_port"] == side.publish_port != 0
     assert not os.path.exists(path)
     assert side.region is not None and side.region.closed
@@ -410,24 +411,24 @@ def test_R_E11_same_agent_name_with_new_metadata_is_reloaded() -> None:
                 producer.ack_observers.append(acks.append)
                 producer.encoder_cache[mm_hash] = encoding(mm_hash, 3)
                 info = ECRequestInfo("r", (mm_hash,), mm_metadata={mm_hash: {"m": 1}})
-                producer.scheduler.update_state_after_alloc(info, mm_hash, 3)
+                producer.scheduler.update_state_after_alloc(info, mm_hash, 3, producer.clock())
                 producer.engine_step()
-                params = producer.scheduler.request_finished(info)
+                params = producer.scheduler.request_finished(info, producer.clock())
                 asking = ECRequestInfo(f"ask-{round_}", (mm_hash,), ec_transfer_params=params)
-                assert not consumer.scheduler.ensure_cache_available(asking)
+                assert not consumer.scheduler.ensure_cache_available(asking, consumer.clock())
                 wire = encode_xfer_req(requests[-1].req)
-                producer.scheduler.on_producer_message(b"consumer", wire)
+                producer.scheduler.on_producer_message(b"consumer", wire, producer.clock())
                 assert str(acks[-1].status) == "OK"
-                consumer.scheduler.on_xfer_ack(encode_xfer_ack(acks[-1]))
+                consumer.scheduler.on_xfer_ack(encode_xfer_ack(acks[-1]), consumer.clock())
                 assert consumer.reads_in_flight() == 1
 
                 def landed(p: ECSide = producer, r: ECRequestInfo = asking) -> bool:
                     p.poll()
                     consumer.poll()
-                    return consumer.scheduler.ensure_cache_available(r)
+                    return consumer.scheduler.ensure_cache_available(r, consumer.clock())
 
                 poll_until(landed, 20, f"the READ of round {round_}")
-                consumer.scheduler.request_finished(asking)
+                consumer.scheduler.request_finished(asking, consumer.clock())
                 got = pull(consumer, mm_hash, params, 3)  # loaded from the tier now
                 assert got.tensor is not None and matches(mm_hash, got.tensor)
                 assert consumer.loaded_agents()[name] == producer.agent.metadata()  # type: ignore[union-attr]

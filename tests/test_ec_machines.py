@@ -8,30 +8,65 @@ from typing import Any
 import pytest
 
 from kvhandoff.machines.ec.cache import EmbeddingCache
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND, EncodingEvicted
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY, EncodingEvicted
 from kvhandoff.machines.ec.consumer_read import (
-    CONSUMER_READ_KIND,
     EC_CONSUMER_READ,
+    Ack,
     FallBackLocal,
     IssueRead,
+    ReadCtx,
+    ReadDone,
+    ReadFailed,
     RetryNextStep,
+    Send,
     SendXferDone,
     SendXferReq,
 )
-from kvhandoff.machines.ec.copy_batch import COPY_BATCH_KIND, EC_COPY_BATCH, CopyBlocks, CopyLanded
+from kvhandoff.machines.ec.copy_batch import (
+    EC_COPY_BATCH,
+    BatchCtx,
+    CopyBlocks,
+    CopyLanded,
+    EndEvent,
+    Report,
+    Submit,
+)
+from kvhandoff.machines.ec.events import (
+    Discard,
+    Evict,
+    PeerDisconnected,
+    Pin,
+    Publish,
+    Saved,
+    Unpin,
+)
 from kvhandoff.machines.ec.meta import CopyItem
 from kvhandoff.machines.ec.pool import BlockPool, FifoEvictionOrder
 from kvhandoff.machines.ec.producer_grant import (
     EC_PRODUCER_GRANT,
-    GRANT_KIND,
-    GrantCheck,
+    Check,
+    GrantCtx,
     SendXferAck,
+    XferDone,
 )
-from kvhandoff.machines.ec.request import EC_REQUEST, REQUEST_KIND, FailRequest
-from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, REGION_KIND, CloseRegion
+from kvhandoff.machines.ec.request import (
+    EC_REQUEST,
+    Available,
+    FailRequest,
+    FallBack,
+    Finished,
+    Hold,
+    RequestCtx,
+)
+from kvhandoff.machines.ec.worker_region import (
+    EC_WORKER_REGION,
+    CloseRegion,
+    RegionCtx,
+    Register,
+    Shutdown,
+)
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.machines.runtime.clock import VirtualClock
-from kvhandoff.machines.runtime.effects import Emit
+from kvhandoff.machines.runtime.effects import Effect, Emit
 from kvhandoff.protocol.ec_config import ECLayout
 from kvhandoff.protocol.ec_status import (
     EC_CONNECTOR_VERSION,
@@ -41,20 +76,24 @@ from kvhandoff.protocol.ec_status import (
     compatibility_hash,
 )
 from kvhandoff.protocol.ec_wire import XferAck, XferReq, check_xfer_req, grant_ack, nack
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 COMPAT = compatibility_hash("1.0", "model", "bfloat16", 8)
 
 
-def isolated_bus(clock: VirtualClock | None = None) -> EventBus:
+def isolated_bus() -> EventBus:
     """A bus on which `Emit`s to other machines are recorded instead of delivered."""
-    bus = EventBus(clock or VirtualClock())
+    bus = EventBus()
     bus.handle(Emit, lambda inst, effect: bus.outbox.append((inst, effect)))
     return bus
 
 
-def effects(bus: EventBus) -> list[object]:
+def effects(bus: EventBus) -> list[Effect]:
     return [effect for _, effect in bus.drain_outbox()]
+
+
+def discards(out: list[Effect]) -> bool:
+    return any(isinstance(e, Emit) and e.event == Discard() for e in out)
 
 
 # -- block pool and FIFO order ------------------------------------------------------------
@@ -102,7 +141,7 @@ def test_R_E04_fifo_order_is_insertion_order_and_survives_pinning() -> None:
 
 
 def make_cache(num_blocks: int = 8) -> tuple[EventBus, EmbeddingCache, list[tuple[str, list[Any]]]]:
-    bus = EventBus(VirtualClock())
+    bus = EventBus()
     seen: list[tuple[str, list[Any]]] = []
     cache = EmbeddingCache(bus, num_blocks, observer=lambda v, o: seen.append((v, o)))
     return bus, cache, seen
@@ -110,21 +149,23 @@ def make_cache(num_blocks: int = 8) -> tuple[EventBus, EmbeddingCache, list[tupl
 
 def test_R_E04_entry_lifecycle_allocated_ready_pinned_ready_evicted() -> None:
     _, cache, _ = make_cache()
-    entry = cache.reserve("h", 3, 24, "save")
+    entry = cache.reserve("h", 3, 24, "save", 0.0)
     assert entry is not None and entry.state == "allocated" and not cache.is_loadable("h")
-    cache.deliver("h", "saved")
-    assert entry.state == "ready" and cache.is_loadable("h")
-    cache.deliver("h", "pin")
-    cache.deliver("h", "pin")
+    assert entry.has("awaiting_bytes") and not entry.has("evictable")
+    cache.deliver("h", Saved(), 0.0)
+    assert entry.state == "ready" and cache.is_loadable("h") and entry.has("evictable")
+    cache.deliver("h", Pin(), 0.0)
+    cache.deliver("h", Pin(), 0.0)
     assert entry.state == "pinned" and entry.ctx.pins == 2
-    cache.deliver("h", "unpin")
+    assert entry.has("loadable") and not entry.has("evictable")
+    cache.deliver("h", Unpin(), 0.0)
     assert entry.state == "pinned"
-    cache.deliver("h", "unpin")
+    cache.deliver("h", Unpin(), 0.0)
     assert entry.state == "ready" and entry.ctx.pins == 0
     with pytest.raises(LocalProtocolError, match="'evict' is not declared in state 'allocated'"):
-        cache.reserve("g", 1, 8, "save")
-        cache.deliver("g", "evict")
-    cache.deliver("h", "evict")
+        cache.reserve("g", 1, 8, "save", 0.0)
+        cache.deliver("g", Evict(), 0.0)
+    cache.deliver("h", Evict(), 0.0)
     assert cache.entry("h") is None and cache.pool.free_count == 7
     cache.check()
 
@@ -132,14 +173,14 @@ def test_R_E04_entry_lifecycle_allocated_ready_pinned_ready_evicted() -> None:
 def test_R_E04_eviction_is_fifo_among_ready_and_unpinned_only() -> None:
     _, cache, seen = make_cache(6)
     for key in ("a", "b", "c"):
-        assert cache.reserve(key, 2, 16, "save") is not None
-    cache.deliver("b", "saved")
-    cache.deliver("c", "saved")
-    cache.deliver("a", "saved")
-    cache.deliver("b", "pin")  # b is older than c but pinned
-    assert cache.reserve("d", 2, 16, "save") is not None
+        assert cache.reserve(key, 2, 16, "save", 0.0) is not None
+    cache.deliver("b", Saved(), 0.0)
+    cache.deliver("c", Saved(), 0.0)
+    cache.deliver("a", Saved(), 0.0)
+    cache.deliver("b", Pin(), 0.0)  # b is older than c but pinned
+    assert cache.reserve("d", 2, 16, "save", 0.0) is not None
     assert [victim for victim, _ in seen] == ["a"]
-    assert cache.reserve("e", 2, 16, "save") is not None
+    assert cache.reserve("e", 2, 16, "save", 0.0) is not None
     assert [victim for victim, _ in seen] == ["a", "c"]
     assert cache.state("b") == "pinned"
     cache.check()
@@ -147,12 +188,12 @@ def test_R_E04_eviction_is_fifo_among_ready_and_unpinned_only() -> None:
 
 def test_R_E04_no_eviction_for_a_reservation_that_cannot_succeed() -> None:
     _, cache, seen = make_cache(4)
-    cache.reserve("a", 2, 16, "save")
-    cache.reserve("b", 2, 16, "save")
-    cache.deliver("a", "saved")
-    assert cache.reserve("big", 3, 24, "save") is None, "b is not ready: only 2 can be freed"
+    cache.reserve("a", 2, 16, "save", 0.0)
+    cache.reserve("b", 2, 16, "save", 0.0)
+    cache.deliver("a", Saved(), 0.0)
+    assert cache.reserve("big", 3, 24, "save", 0.0) is None, "b is not ready: only 2 can be freed"
     assert seen == [] and cache.state("a") == "ready"
-    assert cache.reserve("a", 1, 8, "save") is None, "one entry per mm_hash"
+    assert cache.reserve("a", 1, 8, "save", 0.0) is None, "one entry per mm_hash"
 
 
 def test_B01_evicting_a_published_unconsumed_encoding_is_announced() -> None:
@@ -160,22 +201,22 @@ def test_B01_evicting_a_published_unconsumed_encoding_is_announced() -> None:
     announced: list[EncodingEvicted] = []
     bus.handle(EncodingEvicted, lambda inst, e: announced.append(e))
     for key in ("pub", "quiet", "used"):
-        cache.reserve(key, 1, 8, "save")
-        cache.deliver(key, "saved")
-    cache.deliver("pub", "publish")
-    cache.deliver("used", "publish")
-    cache.deliver("used", "pin")
-    cache.deliver("used", "unpin", True)  # a peer's READ completed: consumed
+        cache.reserve(key, 1, 8, "save", 0.0)
+        cache.deliver(key, Saved(), 0.0)
+    cache.deliver("pub", Publish(), 0.0)
+    cache.deliver("used", Publish(), 0.0)
+    cache.deliver("used", Pin(), 0.0)
+    cache.deliver("used", Unpin(consumed=True), 0.0)  # a peer's READ completed: consumed
     for key in ("pub", "quiet", "used"):
-        cache.deliver(key, "evict")
+        cache.deliver(key, Evict(), 0.0)
     assert announced == [EncodingEvicted("pub", "evicted")]
 
 
 def test_B01_discarding_a_published_save_is_announced() -> None:
     bus, cache, _ = make_cache(4)
-    cache.reserve("h", 1, 8, "save")
-    cache.deliver("h", "publish")
-    cache.deliver("h", "discard")
+    cache.reserve("h", 1, 8, "save", 0.0)
+    cache.deliver("h", Publish(), 0.0)
+    cache.deliver("h", Discard(), 0.0)
     assert effects(bus) == [EncodingEvicted("h", "discarded")]
 
 
@@ -183,29 +224,29 @@ def test_B01_discarding_a_published_save_is_announced() -> None:
 
 
 def test_R_E05_copy_batch_submitted_end_event_reported() -> None:
-    bus = EventBus(VirtualClock())
+    bus = EventBus()
     bus.register(EC_COPY_BATCH)
     items = (CopyItem("h", (1, 2), 2),)
-    bus.create(COPY_BATCH_KIND, 1, direction="save", items=items)
-    bus.dispatch(COPY_BATCH_KIND, 1, "submit")
+    bus.create(EC_COPY_BATCH, BatchCtx(1, direction="save", items=items), 0.0)
+    bus.dispatch(EC_COPY_BATCH, 1, Submit(), 0.0)
     assert effects(bus) == [CopyBlocks("save", 1, items)]
-    bus.dispatch(COPY_BATCH_KIND, 1, "end_event")
+    assert [inst.key for inst in bus.tagged(EC_COPY_BATCH, "in_flight")] == [1]
+    bus.dispatch(EC_COPY_BATCH, 1, EndEvent(), 0.0)
     assert effects(bus) == [CopyLanded("save", 1, ("h",), True)]
-    bus.dispatch(COPY_BATCH_KIND, 1, "report")
-    assert bus.get(COPY_BATCH_KIND, 1) is None
+    assert bus.has_tag(EC_COPY_BATCH, 1, "reportable")
+    bus.dispatch(EC_COPY_BATCH, 1, Report(), 0.0)
+    assert bus.get(EC_COPY_BATCH, 1) is None
     with pytest.raises(LocalProtocolError):
-        bus.dispatch(COPY_BATCH_KIND, 1, "report")
+        bus.dispatch(EC_COPY_BATCH, 1, Report(), 0.0)
 
 
 # -- consumer read -------------------------------------------------------------------------
 
 
-def read_bus(**config: float) -> tuple[EventBus, VirtualClock]:
-    clock = VirtualClock()
-    bus = isolated_bus(clock)
-    bus.register(EC_CONSUMER_READ, config or None)
-    bus.create(
-        CONSUMER_READ_KIND,
+def read_bus(**config: float) -> EventBus:
+    bus = isolated_bus()
+    machine = bus.register(EC_CONSUMER_READ, config or None)
+    ctx = ReadCtx(
         "h",
         peer_host="p.host",
         peer_port=5601,
@@ -215,13 +256,15 @@ def read_bus(**config: float) -> tuple[EventBus, VirtualClock]:
         engine_id="c",
         agent_name="c",
         id_prefix="c:1:",
+        max_not_ready=machine.config["consumer_max_not_ready_retries"],
     )
-    return bus, clock
+    bus.create(EC_CONSUMER_READ, ctx, 0.0)
+    return bus
 
 
-def sent_request(bus: EventBus) -> XferReq:
+def sent_request(bus: EventBus, now: float = 0.0) -> XferReq:
     effects(bus)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "send")
+    bus.dispatch(EC_CONSUMER_READ, "h", Send(), now)
     (effect,) = effects(bus)
     assert isinstance(effect, SendXferReq)
     assert (effect.peer_host, effect.peer_port) == ("p.host", 5601)
@@ -241,25 +284,31 @@ def granted(req: XferReq) -> XferAck:
     )
 
 
+def ack(bus: EventBus, reply: XferAck, now: float = 0.0) -> None:
+    bus.dispatch(EC_CONSUMER_READ, "h", Ack(reply), now)
+
+
 def test_R_E07_xfer_req_then_read_then_done() -> None:
-    bus, _ = read_bus()
+    bus = read_bus()
     req = sent_request(bus)
     assert (req.version, req.mm_hash, req.num_blocks, req.size_bytes) == (1, "h", 3, 24)
     assert req.compat_hash == COMPAT and req.transfer_id == "c:1:1"
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(req))
+    assert bus.has_tag(EC_CONSUMER_READ, "h", "awaiting_ack")
+    ack(bus, granted(req))
     (read,) = effects(bus)
     assert isinstance(read, IssueRead)
     assert read.src_blocks == (7, 8, 9) and read.dst_blocks == (4, 5, 6)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "read_done")
+    assert bus.has_tag(EC_CONSUMER_READ, "h", "read_awaited")
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
     out = effects(bus)
-    assert out[0] == Emit(ENTRY_KIND, "h", "saved")
+    assert out[0] == Emit(EC_CACHE_ENTRY, "h", Saved())
     assert isinstance(out[1], SendXferDone) and out[1].done.ok
-    assert bus.get(CONSUMER_READ_KIND, "h") is None
+    assert bus.get(EC_CONSUMER_READ, "h") is None
 
 
 def test_R_E11_read_uses_the_agent_metadata_carried_by_the_ack() -> None:
-    bus, _ = read_bus()
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus)))
+    bus = read_bus()
+    ack(bus, granted(sent_request(bus)))
     (read,) = effects(bus)
     assert isinstance(read, IssueRead)
     assert read.producer_agent_name == "agent-p"
@@ -268,15 +317,16 @@ def test_R_E11_read_uses_the_agent_metadata_carried_by_the_ack() -> None:
 
 
 def test_R_E08_not_ready_retries_without_failure_and_keeps_blocks_B04() -> None:
-    bus, _ = read_bus()
+    bus = read_bus()
     req = sent_request(bus)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(req, XferStatus.NACK_NOT_READY))
-    inst = bus.get(CONSUMER_READ_KIND, "h")
+    ack(bus, nack(req, XferStatus.NACK_NOT_READY))
+    inst = bus.get(EC_CONSUMER_READ, "h")
     assert inst is not None and inst.state == "retry_next_step"
+    assert inst.has("retry_pending") and inst.has("in_flight")
     out = effects(bus)
     assert RetryNextStep("h") in out
     assert not any(isinstance(e, FallBackLocal) for e in out), "no failure recorded"
-    assert not any(isinstance(e, Emit) and e.event == "discard" for e in out), "blocks kept"
+    assert not discards(out), "blocks kept"
     assert inst.ctx.dest_blocks == (4, 5, 6)
     again = sent_request(bus)
     assert again.transfer_id == "c:1:2" and again.num_blocks == 3
@@ -285,11 +335,14 @@ def test_R_E08_not_ready_retries_without_failure_and_keeps_blocks_B04() -> None:
 
 @pytest.mark.parametrize("status", sorted(NACKS - RETRYABLE_NACKS))
 def test_R_E08_every_other_nack_falls_back_and_frees_the_destination(status: XferStatus) -> None:
-    bus, _ = read_bus()
+    bus = read_bus()
     req = sent_request(bus)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(req, status))
-    assert bus.get(CONSUMER_READ_KIND, "h") is None
-    assert effects(bus)[:2] == [Emit(ENTRY_KIND, "h", "discard"), FallBackLocal("h", str(status))]
+    ack(bus, nack(req, status))
+    assert bus.get(EC_CONSUMER_READ, "h") is None
+    assert effects(bus)[:2] == [
+        Emit(EC_CACHE_ENTRY, "h", Discard()),
+        FallBackLocal("h", str(status)),
+    ]
 
 
 def test_R_E08_classification_comes_from_retryable_nacks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,84 +353,93 @@ def test_R_E08_classification_comes_from_retryable_nacks(monkeypatch: pytest.Mon
         "RETRYABLE_NACKS",
         frozenset({XferStatus.NACK_NOT_READY, XferStatus.NACK_INTERNAL}),
     )
-    bus, _ = read_bus()
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(sent_request(bus), XferStatus.NACK_INTERNAL))
-    assert bus.get(CONSUMER_READ_KIND, "h").state == "retry_next_step"  # type: ignore[union-attr]
+    bus = read_bus()
+    ack(bus, nack(sent_request(bus), XferStatus.NACK_INTERNAL))
+    assert bus.get(EC_CONSUMER_READ, "h").state == "retry_next_step"  # type: ignore[union-attr]
 
 
 def test_R_E08_not_ready_retries_are_bounded_by_config() -> None:
-    bus, _ = read_bus(consumer_max_not_ready_retries=2)
+    bus = read_bus(consumer_max_not_ready_retries=2)
     for _ in range(2):
-        bus.dispatch(
-            CONSUMER_READ_KIND, "h", "ack", nack(sent_request(bus), XferStatus.NACK_NOT_READY)
-        )
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", nack(sent_request(bus), XferStatus.NACK_NOT_READY))
-    assert bus.get(CONSUMER_READ_KIND, "h") is None
+        ack(bus, nack(sent_request(bus), XferStatus.NACK_NOT_READY))
+    ack(bus, nack(sent_request(bus), XferStatus.NACK_NOT_READY))
+    assert bus.get(EC_CONSUMER_READ, "h") is None
     assert FallBackLocal("h", "NACK_NOT_READY") in effects(bus)
 
 
 def test_R_E12_ack_timeout_falls_back_after_consumer_ack_timeout_s() -> None:
-    bus, clock = read_bus(consumer_ack_timeout_s=2.0)
+    bus = read_bus(consumer_ack_timeout_s=2.0)
     sent_request(bus)
-    assert bus.deadline_of(CONSUMER_READ_KIND, "h") == 2.0
-    clock.advance(1.9)
-    assert bus.fire_due() == 0
-    clock.advance(0.2)
-    assert bus.fire_due() == 1
-    assert bus.get(CONSUMER_READ_KIND, "h") is None
-    assert effects(bus)[:2] == [Emit(ENTRY_KIND, "h", "discard"), FallBackLocal("h", "ack_timeout")]
+    assert bus.deadline_of(EC_CONSUMER_READ, "h") == 2.0
+    assert bus.fire_due(1.9) == 0
+    assert bus.fire_due(2.1) == 1
+    assert bus.get(EC_CONSUMER_READ, "h") is None
+    assert effects(bus)[:2] == [
+        Emit(EC_CACHE_ENTRY, "h", Discard()),
+        FallBackLocal("h", "ack_timeout"),
+    ]
 
 
 def test_R_E12_read_timeout_quarantines_60s_without_eviction() -> None:
-    bus, clock = read_bus()
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus)))
+    bus = read_bus()
+    ack(bus, granted(sent_request(bus)))
     effects(bus)
-    clock.advance(20.0)
-    bus.fire_due()
-    inst = bus.get(CONSUMER_READ_KIND, "h")
+    bus.fire_due(20.0)
+    inst = bus.get(EC_CONSUMER_READ, "h")
     assert inst is not None and inst.state == "quarantined"
+    assert inst.has("read_posted") and not inst.has("in_flight")
     out = effects(bus)
     assert FallBackLocal("h", "read_timeout") in out, "the request falls back at once"
-    assert not any(isinstance(e, Emit) and e.event == "discard" for e in out)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "read_done")  # a late completion is ignored
-    assert inst.state == "quarantined" and bus.counters(CONSUMER_READ_KIND).ignored == 1
-    clock.advance(59.9)
-    assert bus.fire_due() == 0
-    clock.advance(0.1)
-    bus.fire_due()
-    assert bus.get(CONSUMER_READ_KIND, "h") is None
-    assert effects(bus) == [Emit(ENTRY_KIND, "h", "discard")]
+    assert not discards(out)
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 20.0)  # a late completion is ignored
+    assert inst.state == "quarantined" and bus.counters(EC_CONSUMER_READ).ignored == 1
+    assert bus.fire_due(79.9) == 0
+    bus.fire_due(80.0)
+    assert bus.get(EC_CONSUMER_READ, "h") is None
+    assert effects(bus) == [Emit(EC_CACHE_ENTRY, "h", Discard())]
 
 
 def test_R_E08_peer_disconnect_falls_back_before_the_read_and_quarantines_during() -> None:
-    bus, _ = read_bus()
+    bus = read_bus()
     sent_request(bus)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "peer_disconnected")
+    bus.dispatch(EC_CONSUMER_READ, "h", PeerDisconnected(), 0.0)
     assert FallBackLocal("h", "peer_disconnected") in effects(bus)
-    bus2, _ = read_bus()
-    bus2.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus2)))
-    bus2.dispatch(CONSUMER_READ_KIND, "h", "peer_disconnected")
-    assert bus2.get(CONSUMER_READ_KIND, "h").state == "quarantined"  # type: ignore[union-attr]
+    bus2 = read_bus()
+    ack(bus2, granted(sent_request(bus2)))
+    bus2.dispatch(EC_CONSUMER_READ, "h", PeerDisconnected(), 0.0)
+    assert bus2.get(EC_CONSUMER_READ, "h").state == "quarantined"  # type: ignore[union-attr]
 
 
 def test_R_E08_read_failure_falls_back_and_tells_the_producer() -> None:
-    bus, _ = read_bus()
-    bus.dispatch(CONSUMER_READ_KIND, "h", "ack", granted(sent_request(bus)))
+    bus = read_bus()
+    ack(bus, granted(sent_request(bus)))
     effects(bus)
-    bus.dispatch(CONSUMER_READ_KIND, "h", "read_failed")
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadFailed(), 0.0)
     out = effects(bus)
     assert isinstance(out[0], SendXferDone) and not out[0].done.ok
     assert FallBackLocal("h", "read_failed") in out
 
 
+def test_R_E12_peer_events_a_state_does_not_declare_are_remote_errors() -> None:
+    """A completion or ack a peer provokes in the wrong state never crashes the engine
+    with a local error, and changes nothing."""
+    bus = read_bus()
+    sent_request(bus)
+    with pytest.raises(RemoteProtocolError, match="'read_done' is not declared"):
+        bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
+    with pytest.raises(RemoteProtocolError, match="no live instance"):
+        bus.dispatch(EC_CONSUMER_READ, "other", ReadFailed(), 0.0)
+    assert bus.get(EC_CONSUMER_READ, "h").state == "xfer_req_sent"  # type: ignore[union-attr]
+    assert bus.counters(EC_CONSUMER_READ).rejected == 2
+
+
 # -- producer grant ----------------------------------------------------------------------
 
 
-def grant_bus(**config: float) -> tuple[EventBus, VirtualClock]:
-    clock = VirtualClock()
-    bus = isolated_bus(clock)
+def grant_bus(**config: float) -> EventBus:
+    bus = isolated_bus()
     bus.register(EC_PRODUCER_GRANT, config or None)
-    return bus, clock
+    return bus
 
 
 def a_request(**overrides: Any) -> XferReq:
@@ -395,20 +457,35 @@ def a_request(**overrides: Any) -> XferReq:
     return XferReq(**fields)
 
 
-def answer(bus: EventBus, req: XferReq, state: str | None, *, agent: bool = True) -> XferAck:
-    key = (b"peer", req.transfer_id)
-    bus.create(
-        GRANT_KIND,
+def check_of(req: XferReq, state: str | None) -> Check:
+    """The snapshot of an entry in `state` (None: absent) that the producer takes."""
+    return Check(
+        req,
+        COMPAT,
+        entry_present=state is not None,
+        entry_loadable=state in ("ready", "pinned"),
+        entry_blocks=(3, 4) if state else (),
+        entry_size_bytes=16 if state else 0,
+    )
+
+
+def create_grant(bus: EventBus, key: tuple[bytes, str], *, agent: bool = True) -> None:
+    ctx = GrantCtx(
         key,
-        peer=b"peer",
-        mm_hash=req.mm_hash,
+        peer=key[0],
+        mm_hash="h",
         agent_name="agent-p" if agent else "",
         agent_metadata=b"md" if agent else b"",
         region_base_addr=4096,
         block_size_bytes=8,
     )
-    check = GrantCheck(req, COMPAT, state, (3, 4) if state else (), 16 if state else 0)
-    bus.dispatch(GRANT_KIND, key, "check", check)
+    bus.create(EC_PRODUCER_GRANT, ctx, 0.0)
+
+
+def answer(bus: EventBus, req: XferReq, state: str | None, *, agent: bool = True) -> XferAck:
+    key = (b"peer", req.transfer_id)
+    create_grant(bus, key, agent=agent)
+    bus.dispatch(EC_PRODUCER_GRANT, key, check_of(req, state), 0.0)
     acks = [e for e in effects(bus) if isinstance(e, SendXferAck)]
     assert len(acks) == 1 and acks[0].peer == b"peer"
     return acks[0].ack
@@ -429,7 +506,7 @@ def answer(bus: EventBus, req: XferReq, state: str | None, *, agent: bool = True
 def test_R_E09_R_E10_checks_version_then_compat_then_presence_then_readiness(
     req: XferReq, state: str | None, status: XferStatus
 ) -> None:
-    bus, _ = grant_bus()
+    bus = grant_bus()
     assert answer(bus, req, state).status is status
     protocol_says = check_xfer_req(req, expected_hash=COMPAT)
     if protocol_says is not None:
@@ -437,49 +514,44 @@ def test_R_E09_R_E10_checks_version_then_compat_then_presence_then_readiness(
 
 
 def test_R_E09_no_registered_agent_is_nack_internal() -> None:
-    bus, _ = grant_bus()
+    bus = grant_bus()
     assert answer(bus, a_request(), "ready", agent=False).status is XferStatus.NACK_INTERNAL
 
 
 def test_R_E11_grant_carries_agent_metadata_and_source_blocks_and_pins() -> None:
-    bus, _ = grant_bus()
+    bus = grant_bus()
     key = (b"peer", "t1")
-    bus.create(
-        GRANT_KIND,
-        key,
-        peer=b"peer",
-        mm_hash="h",
-        agent_name="agent-p",
-        agent_metadata=b"md",
-        region_base_addr=4096,
-        block_size_bytes=8,
-    )
-    bus.dispatch(GRANT_KIND, key, "check", GrantCheck(a_request(), COMPAT, "ready", (3, 4), 16))
+    create_grant(bus, key)
+    bus.dispatch(EC_PRODUCER_GRANT, key, check_of(a_request(), "ready"), 0.0)
     out = effects(bus)
-    assert out[0] == Emit(ENTRY_KIND, "h", "pin")
-    ack = out[1].ack  # type: ignore[attr-defined]
+    assert out[0] == Emit(EC_CACHE_ENTRY, "h", Pin())
+    assert isinstance(out[1], SendXferAck)
+    ack = out[1].ack
     assert ack.status is XferStatus.OK
     assert (ack.producer_agent_name, ack.producer_agent_metadata) == ("agent-p", b"md")
     assert (ack.block_indices, ack.region_base_addr, ack.lease_s) == ([3, 4], 4096, 30.0)
+    assert bus.has_tag(EC_PRODUCER_GRANT, key, "leased")
 
 
 def test_R_E12_pin_lease_releases_an_unclaimed_grant_after_30s() -> None:
-    bus, clock = grant_bus()
+    bus = grant_bus()
     answer(bus, a_request(), "ready")
     key = (b"peer", "t1")
-    assert bus.deadline_of(GRANT_KIND, key) == 30.0
-    clock.advance(30.0)
-    bus.fire_due()
-    assert bus.get(GRANT_KIND, key) is None
-    assert effects(bus)[0] == Emit(ENTRY_KIND, "h", "unpin", False)
+    assert bus.deadline_of(EC_PRODUCER_GRANT, key) == 30.0
+    bus.fire_due(30.0)
+    assert bus.get(EC_PRODUCER_GRANT, key) is None
+    assert effects(bus)[0] == Emit(EC_CACHE_ENTRY, "h", Unpin(consumed=False))
 
 
 def test_R_E12_xfer_done_unpins_before_the_lease_and_marks_consumed() -> None:
-    bus, _ = grant_bus()
+    bus = grant_bus()
     answer(bus, a_request(), "ready")
-    bus.dispatch(GRANT_KIND, (b"peer", "t1"), "peer_disconnected")  # ignored: lease decides
-    bus.dispatch(GRANT_KIND, (b"peer", "t1"), "xfer_done", True)
-    assert effects(bus) == [Emit(ENTRY_KIND, "h", "unpin", True)]
+    key = (b"peer", "t1")
+    bus.dispatch(EC_PRODUCER_GRANT, key, PeerDisconnected(), 0.0)  # ignored: lease decides
+    bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(True), 0.0)
+    assert effects(bus) == [Emit(EC_CACHE_ENTRY, "h", Unpin(consumed=True))]
+    with pytest.raises(RemoteProtocolError, match="no live instance"):  # a duplicate done
+        bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(True), 0.0)
 
 
 # -- request availability ----------------------------------------------------------------
@@ -488,26 +560,27 @@ def test_R_E12_xfer_done_unpins_before_the_lease_and_marks_consumed() -> None:
 def test_B05_lost_announced_encoding_with_rewritten_media_fails_cleanly() -> None:
     bus = isolated_bus()
     bus.register(EC_REQUEST)
-    bus.create(REQUEST_KIND, "r1", metadata_only=frozenset({"h"}))
-    bus.dispatch(REQUEST_KIND, "r1", "hold", "other")
-    bus.dispatch(REQUEST_KIND, "r1", "fall_back", ("h", "NACK_MISSING"))
-    inst = bus.get(REQUEST_KIND, "r1")
-    assert inst is not None and inst.state == "failed"
+    bus.create(EC_REQUEST, RequestCtx("r1", metadata_only=frozenset({"h"})), 0.0)
+    bus.dispatch(EC_REQUEST, "r1", Hold("other"), 0.0)
+    bus.dispatch(EC_REQUEST, "r1", FallBack("h", "NACK_MISSING"), 0.0)
+    inst = bus.get(EC_REQUEST, "r1")
+    assert inst is not None and inst.state == "failed" and inst.has("failed_cleanly")
     out = effects(bus)
     assert isinstance(out[1], FailRequest) and out[1].request_id == "r1"
     assert "NACK_MISSING" in out[1].reason and "metadata-only" in out[1].reason
-    assert Emit(ENTRY_KIND, "other", "unpin") in out, "its holds are released"
-    bus.dispatch(REQUEST_KIND, "r1", "finished")
-    assert bus.get(REQUEST_KIND, "r1") is None
+    assert Emit(EC_CACHE_ENTRY, "other", Unpin()) in out, "its holds are released"
+    bus.dispatch(EC_REQUEST, "r1", Finished(), 0.0)
+    assert bus.get(EC_REQUEST, "r1") is None
 
 
 def test_B05_lost_encoding_with_media_falls_back_locally() -> None:
     bus = isolated_bus()
     bus.register(EC_REQUEST)
-    inst = bus.create(REQUEST_KIND, "r1", metadata_only=frozenset())
-    bus.dispatch(REQUEST_KIND, "r1", "fall_back", ("h", "NACK_MISSING"))
-    bus.dispatch(REQUEST_KIND, "r1", "available")
+    inst = bus.create(EC_REQUEST, RequestCtx("r1"), 0.0)
+    bus.dispatch(EC_REQUEST, "r1", FallBack("h", "NACK_MISSING"), 0.0)
+    bus.dispatch(EC_REQUEST, "r1", Available(), 0.0)
     assert inst.state == "available" and inst.ctx.local == {"h": "NACK_MISSING"}
+    assert inst.has("schedulable")
 
 
 # -- worker region -------------------------------------------------------------------------
@@ -515,9 +588,10 @@ def test_B05_lost_encoding_with_media_falls_back_locally() -> None:
 
 @pytest.mark.parametrize("writer", [True, False])
 def test_R_E03_shutdown_closes_and_only_the_owner_unlinks(writer: bool) -> None:
-    bus = EventBus(VirtualClock())
+    bus = EventBus()
     bus.register(EC_WORKER_REGION)
-    bus.create(REGION_KIND, "r", writer=writer)
-    bus.dispatch(REGION_KIND, "r", "register", 4096)
-    bus.dispatch(REGION_KIND, "r", "shutdown")
+    bus.create(EC_WORKER_REGION, RegionCtx("r", writer=writer), 0.0)
+    bus.dispatch(EC_WORKER_REGION, "r", Register(4096), 0.0)
+    assert bus.has_tag(EC_WORKER_REGION, "r", "usable")
+    bus.dispatch(EC_WORKER_REGION, "r", Shutdown(), 0.0)
     assert effects(bus) == [CloseRegion(unlink=writer)]

@@ -7,13 +7,21 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvhandoff.machines.catalog import EC_DECLARATIONS
-from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
-from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY, EntryCtx
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, Ack, ReadCtx
 from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
+from kvhandoff.machines.ec.events import Unpin
 from kvhandoff.machines.ec.meta import CopyItem
-from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, GrantCheck
-from kvhandoff.machines.ec.request import EC_REQUEST
-from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION
+from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, Check, XferDone
+from kvhandoff.machines.ec.request import (
+    EC_REQUEST,
+    EncodingLost,
+    FallBack,
+    Hold,
+    Load,
+    RequestCtx,
+)
+from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, Register
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus, compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck, XferReq, grant_ack, nack
@@ -30,9 +38,10 @@ def model_test(decl: Any, max_examples: int = 150, **options: Any) -> None:
 # -- ec.cache_entry ----------------------------------------------------------------------
 
 
-def entry_pins_match_state(inst: Instance) -> None:
+def entry_pins_match_state(inst: Instance[EntryCtx]) -> None:
     pins = inst.ctx.pins
     assert (pins > 0) == (inst.state == "pinned"), (inst.state, pins)
+    assert inst.has("evictable") == (inst.state == "ready")
 
 
 def test_R_E04_cache_entry_model() -> None:
@@ -47,7 +56,7 @@ def test_R_E04_cache_entry_model() -> None:
                 "origin": st.sampled_from(["save", "read"]),
             }
         ),
-        payloads={"unpin": st.booleans()},
+        payloads={Unpin: st.builds(Unpin, st.booleans())},
         invariants=[entry_pins_match_state],
     )
 
@@ -100,6 +109,7 @@ ACKS: st.SearchStrategy[XferAck] = st.one_of(
 )
 READ_CTX = st.fixed_dictionaries(
     {
+        "max_not_ready": st.just(3.0),
         "peer_host": st.just("p"),
         "peer_port": st.just(5601),
         "size_bytes": st.just(16),
@@ -112,7 +122,7 @@ READ_CTX = st.fixed_dictionaries(
 )
 
 
-def read_invariants(inst: Instance) -> None:
+def read_invariants(inst: Instance[ReadCtx]) -> None:
     ctx = inst.ctx
     assert ctx.dest_blocks == (0, 1), "the destination is never given up while the read lives"
     assert ctx.not_ready <= 3
@@ -120,14 +130,14 @@ def read_invariants(inst: Instance) -> None:
         assert ctx.not_ready >= 1, "only a NACK_NOT_READY leads here"
     if inst.state == "reading":
         assert ctx.grant is not None and ctx.grant.status is XferStatus.OK
+    assert inst.has("timed_wait") == (inst.timer is not None), "tagged exactly when timed"
 
 
 def test_R_E08_R_E12_consumer_read_model() -> None:
     model_test(
         EC_CONSUMER_READ,
-        config={"consumer_max_not_ready_retries": 3.0},
         context=READ_CTX,
-        payloads={"ack": ACKS},
+        payloads={Ack: ACKS.map(Ack)},
         invariants=[read_invariants],
     )
 
@@ -135,7 +145,7 @@ def test_R_E08_R_E12_consumer_read_model() -> None:
 # -- ec.producer_grant ------------------------------------------------------------------------
 
 
-def _check(version: int, compat: str, state: str | None, size: int) -> GrantCheck:
+def _check(version: int, compat: str, state: str | None, size: int) -> Check:
     req = XferReq(
         version=version,
         transfer_id="t",
@@ -146,8 +156,15 @@ def _check(version: int, compat: str, state: str | None, size: int) -> GrantChec
         num_blocks=2,
         size_bytes=size,
     )
-    blocks = (3, 4) if state is not None else ()
-    return GrantCheck(req, COMPAT, state, blocks, 16 if state is not None else 0)
+    present = state is not None
+    return Check(
+        req,
+        COMPAT,
+        entry_present=present,
+        entry_loadable=state in ("ready", "pinned"),
+        entry_blocks=(3, 4) if present else (),
+        entry_size_bytes=16 if present else 0,
+    )
 
 
 CHECKS = st.builds(
@@ -171,7 +188,7 @@ def test_R_E09_R_E10_producer_grant_model() -> None:
                 "block_size_bytes": st.just(8),
             }
         ),
-        payloads={"check": CHECKS, "xfer_done": st.booleans()},
+        payloads={Check: CHECKS, XferDone: st.builds(XferDone, st.booleans())},
     )
 
 
@@ -180,9 +197,9 @@ def test_R_E09_R_E10_producer_grant_model() -> None:
 HASHES = st.sampled_from(["a", "b", "c"])
 
 
-def request_invariants(inst: Instance) -> None:
+def request_invariants(inst: Instance[RequestCtx]) -> None:
     ctx = inst.ctx
-    if inst.state == "failed":
+    if inst.has("failed_cleanly"):
         assert ctx.failure and not ctx.held, "a failed request holds nothing"
     else:
         assert not set(ctx.local) & ctx.metadata_only, "no local fallback without media"
@@ -193,10 +210,10 @@ def test_B05_request_model() -> None:
         EC_REQUEST,
         context=st.fixed_dictionaries({"metadata_only": st.frozensets(HASHES, max_size=2)}),
         payloads={
-            "hold": HASHES,
-            "load": HASHES,
-            "fall_back": st.tuples(HASHES, st.sampled_from(["NACK_MISSING", "ack_timeout"])),
-            "encoding_lost": HASHES,
+            Hold: st.builds(Hold, HASHES),
+            Load: st.builds(Load, HASHES),
+            FallBack: st.builds(FallBack, HASHES, st.sampled_from(["NACK_MISSING", "ack_timeout"])),
+            EncodingLost: st.builds(EncodingLost, HASHES),
         },
         invariants=[request_invariants],
     )
@@ -210,7 +227,7 @@ def test_R_E03_worker_region_model() -> None:
         EC_WORKER_REGION,
         max_examples=60,
         context=st.fixed_dictionaries({"writer": st.booleans()}),
-        payloads={"register": st.integers(0, 2**40)},
+        payloads={Register: st.builds(Register, st.integers(0, 2**40))},
     )
 
 

@@ -1,7 +1,7 @@
 """Model-based test of a producer/consumer pair over a simulated control plane (issue 4).
 
 Hypothesis drives a real producer (`ec_producer`) and consumer (`ec_consumer`), both with
-P2P, through the in-memory planes (`adapters/sim_ec_plane.py`): encodings are produced
+P2P, through the in-memory planes (`sim/ec/plane.py`): encodings are produced
 and published, consumers ask for them (some with their media rewritten to metadata-only
 references), and the planes misbehave: random NACKs and garbage acks, lost messages,
 slow saves, slow, failing and hanging READs, evictions under pressure in small regions,
@@ -35,11 +35,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
-from kvhandoff.machines.ec.consumer_read import CONSUMER_READ_KIND
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.meta import ECRequestInfo
-from kvhandoff.machines.ec.producer_grant import GRANT_KIND
-from kvhandoff.machines.ec.request import REQUEST_KIND
+from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
+from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
@@ -104,7 +104,7 @@ class ECPairModel(RuleBasedStateMachine):
 
         def sink(line: str) -> None:
             record = json.loads(line)
-            if record["kind"] == ENTRY_KIND and record["event"] == "__create__":
+            if record["kind"] == EC_CACHE_ENTRY.name and record["event"] == "__create__":
                 order[record["key"]] = next(counter)
 
         engine.scheduler.bus.record(sink)
@@ -112,12 +112,12 @@ class ECPairModel(RuleBasedStateMachine):
 
     def _evicting(self, engine: Engine, victim: str, _order: list[Any]) -> None:
         order = self.created[engine.name]
-        ready = [inst.key for inst in engine.scheduler.cache.entries() if inst.state == "ready"]
+        ready = [inst.ctx.key for inst in engine.scheduler.cache.entries() if inst.has("evictable")]
         expected = min(ready, key=order.__getitem__)
         if victim != expected:
             self.problems.append(f"{engine.name} evicted {victim}, FIFO says {expected}")
 
-    def _acked(self, status: str, read: Instance, before: str, after: str) -> None:
+    def _acked(self, status: str, read: Instance[Any], before: str, after: str) -> None:
         if before != "xfer_req_sent" or after == before:
             return  # stale or malformed: not delivered to the machine
         if status == "OK":
@@ -130,8 +130,8 @@ class ECPairModel(RuleBasedStateMachine):
         if after not in expected:
             self.problems.append(f"ack {status} took {read.key} from {before} to {after}")
 
-    def _retired(self, inst: Instance) -> None:
-        if inst.kind != CONSUMER_READ_KIND:
+    def _retired(self, inst: Instance[Any]) -> None:
+        if inst.machine.decl is not EC_CONSUMER_READ:
             return
         reason = inst.ctx.reason
         if inst.state == "fallback_local":
@@ -149,26 +149,26 @@ class ECPairModel(RuleBasedStateMachine):
         sim = self.sim
         assert sim is not None
         sim.engine_step(sim.producer, [])
-        scheduler = sim.consumer.scheduler
+        scheduler, now = sim.consumer.scheduler, sim.clock.now
         for rid, (req, since) in list(self.pending.items()):
-            if scheduler.ensure_cache_available(req):
+            if scheduler.ensure_cache_available(req, now):
                 for mm_hash in req.mm_hashes:
                     if scheduler.has_cache_item(mm_hash):
-                        scheduler.update_state_after_alloc(req, mm_hash, 1)
-                scheduler.request_finished(req)
+                        scheduler.update_state_after_alloc(req, mm_hash, 1, now)
+                scheduler.request_finished(req, now)
                 del self.pending[rid]
                 continue
-            inst = scheduler.bus.get(REQUEST_KIND, rid)
-            if inst is not None and inst.state == "failed":
+            inst = scheduler.bus.get(EC_REQUEST, rid)
+            if inst is not None and inst.has("failed_cleanly"):
                 self.failed[rid] = inst.ctx.failure
                 self._check_failure(req, inst)
-                scheduler.request_finished(req)
+                scheduler.request_finished(req, now)
                 del self.pending[rid]
             elif since is None:
                 self.pending[rid] = (req, sim.clock.now)
         sim.engine_step(sim.consumer, [])
 
-    def _check_failure(self, req: ECRequestInfo, inst: Instance) -> None:
+    def _check_failure(self, req: ECRequestInfo, inst: Instance[RequestCtx]) -> None:
         if not any(mm_hash in inst.ctx.failure for mm_hash in req.metadata_only) and (
             "malformed" not in inst.ctx.failure
         ):
@@ -183,7 +183,7 @@ class ECPairModel(RuleBasedStateMachine):
         self.serial += 1
         req = ECRequestInfo(f"p{self.serial}", (mm_hash,), mm_metadata={mm_hash: META})
         sim.engine_step(sim.producer, [(req, mm_hash, tokens)])
-        self.published.update(sim.producer.scheduler.request_finished(req))
+        self.published.update(sim.producer.scheduler.request_finished(req, sim.clock.now))
 
     @precondition(lambda self: bool(self.published))
     @rule(data=st.data(), rewrite=st.booleans())
@@ -296,15 +296,15 @@ class ECPairModel(RuleBasedStateMachine):
         now = sim.clock.now
         producer = sim.producer.scheduler
         grants_per_hash: dict[str, int] = {}
-        for grant in producer.bus.instances(GRANT_KIND):
-            assert grant.state == "granted"
-            assert now - sim.grant_times[grant.key] <= DEFAULT_PIN_LEASE_S + EPS
+        for grant in producer.bus.instances(EC_PRODUCER_GRANT):
+            assert grant.has("leased"), grant
+            assert now - sim.grant_times[grant.ctx.key] <= DEFAULT_PIN_LEASE_S + EPS
             grants_per_hash[grant.ctx.mm_hash] = grants_per_hash.get(grant.ctx.mm_hash, 0) + 1
         for entry in producer.cache.entries():
             assert entry.ctx.pins == grants_per_hash.get(entry.key, 0), entry
         consumer = sim.consumer.scheduler
         held: dict[str, int] = {}
-        for request in consumer.bus.instances(REQUEST_KIND):
+        for request in consumer.bus.instances(EC_REQUEST):
             for mm_hash in request.ctx.held:
                 held[mm_hash] = held.get(mm_hash, 0) + 1
         for entry in consumer.cache.entries():
@@ -315,8 +315,8 @@ class ECPairModel(RuleBasedStateMachine):
     def local_fallback_only_with_media(self) -> None:
         if self.sim is None:
             return
-        for request in self.sim.consumer.scheduler.bus.instances(REQUEST_KIND):
-            if request.state != "failed":
+        for request in self.sim.consumer.scheduler.bus.instances(EC_REQUEST):
+            if not request.has("failed_cleanly"):
                 assert not set(request.ctx.local) & request.ctx.metadata_only, request.ctx
 
     @invariant()
@@ -324,7 +324,7 @@ class ECPairModel(RuleBasedStateMachine):
         if self.sim is None:
             return
         bus = self.sim.consumer.scheduler.bus
-        for read in bus.instances(CONSUMER_READ_KIND):
+        for read in bus.instances(EC_CONSUMER_READ):
             if read.state in ("xfer_req_sent", "reading", "quarantined"):
                 assert read.timer is not None, read
             else:
@@ -346,9 +346,9 @@ def test_R_E07_R_E08_R_E12_B04_pair_reaches_every_read_outcome() -> None:
     seen: dict[str, int] = {}
 
     class Counting(ECPairModel):
-        def _retired(self, inst: Instance) -> None:
+        def _retired(self, inst: Instance[Any]) -> None:
             super()._retired(inst)
-            if inst.kind == CONSUMER_READ_KIND:
+            if inst.machine.decl is EC_CONSUMER_READ:
                 seen[inst.state] = seen.get(inst.state, 0) + 1
                 if inst.ctx.not_ready:
                     seen["retried"] = seen.get("retried", 0) + 1

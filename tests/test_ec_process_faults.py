@@ -29,7 +29,7 @@ from test_ec_integration import (
 )
 
 from kvhandoff.adapters.shm.region import reap_stale_regions
-from kvhandoff.demo.ec_role import BLOCK_BYTES, encoding, matches
+from kvhandoff.demo.ec_requests import BLOCK_BYTES, encoding, matches
 from kvhandoff.demo.launcher import relay, stop_all
 from kvhandoff.machines.ec.consumer_read import IssueRead
 from kvhandoff.machines.ec.meta import ECRequestInfo
@@ -80,7 +80,7 @@ def test_kill_producer_mid_read_resolves_then_restart_reaps_and_serves(when: str
         def settled() -> bool:  # quarantine over (if any), handles released, agent gone
             side.poll()
             return (
-                side.scheduler.cache.state("img-doomed") != "allocated"
+                not side.scheduler.cache.has("img-doomed", "awaiting_bytes")
                 and side.reads_in_flight() == 0
                 and side.loaded_agents() == {}
             )
@@ -113,9 +113,9 @@ def test_kill_consumer_after_its_grant_pin_released_by_lease_then_restart() -> N
     with make_side("ec_producer", listen=("127.0.0.1", 0)) as side:
         side.encoder_cache["img-p"] = encoding("img-p", 4)
         info = ECRequestInfo("r-img-p", ("img-p",), mm_metadata={"img-p": {"modality": "x"}})
-        side.scheduler.update_state_after_alloc(info, "img-p", 4)
+        side.scheduler.update_state_after_alloc(info, "img-p", 4, side.clock())
         side.engine_step()
-        params = side.scheduler.request_finished(info)
+        params = side.scheduler.request_finished(info, side.clock())
         assert params["img-p"]["size_bytes"] == 4 * BLOCK_BYTES
         consumer_id = unique("consumer-k")
         doomed = start_child("consumer", consumer_id, "--relay", config=CONSUMER_TIMEOUTS)

@@ -68,7 +68,7 @@ def wait_done(agent: NixlAgent, handle: XferHandle) -> str:
     deadline = time.monotonic() + DEADLINE_S
     while agent.poll(handle) == "PROC" and time.monotonic() < deadline:
         time.sleep(0.0005)  # poll interval; the deadline bounds the wait
-    return handle.state
+    return handle.xfer_status
 
 
 class Pair:

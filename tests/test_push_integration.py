@@ -21,7 +21,7 @@ from kvhandoff.demo.kv_memory import KVShape
 from kvhandoff.demo.launcher import RoleProcess, collect, go, start_role, wait_ready
 from kvhandoff.demo.push_instance import LivePushInstance
 from kvhandoff.demo.push_role import DemoRequest, demo_requests
-from kvhandoff.machines.push.p_lease import KIND as P_KIND
+from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.protocol.push_config import PushConfig
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,7 @@ class Prefill:
             blocks = self.live.memory.allocate(req.num_blocks)
             self.live.memory.fill(req.client_id, blocks)
             self.blocks[rid] = blocks
-            self.live.side.scheduler.request_finished(rid, blocks, {"do_remote_decode": True})
+            self.live.side.request_finished(rid, blocks, {"do_remote_decode": True})
 
     def step(self) -> None:
         self.sent |= self.live.step().finished_sending
@@ -125,7 +125,7 @@ def test_R_P04_R_P05_registrations_first_then_blocks(prefill_factory: Any) -> No
     poll_until(prefill.all_sent, 40, "every lease finished_sending")
     summary = child_summary(d)
     assert (summary["verified"], summary["failed"]) == (6, 0)
-    taken = {edge for edge in p.side.bus.machine(P_KIND).taken_edges()}
+    taken = {edge for edge in p.side.bus.machine(P_LEASE).taken_edges()}
     assert ("matched", "handshake_started", "awaiting_handshake") in taken
     assert ("awaiting_handshake", "handshake_done", "matched") in taken
 
@@ -135,12 +135,23 @@ def test_R_P04_R_P07_blocks_first_then_registrations(prefill_factory: Any) -> No
     p = prefill_factory()
     prefill = Prefill(p, demo_requests(5, SEED))
     prefill.finish_all()
-    waiting = p.side.writer.push_finished_blocks
-    poll_until(lambda: (prefill.step(), len(waiting) == 5)[1], 20, "five staged requests")
-    assert p.side.self_poll_interval_s == pytest.approx(0.001), "self-poll armed (R-P07)"
+    side = p.side
+    waiting = side.writer.push_finished_blocks
+
+    def staged_and_self_polling() -> bool:
+        # The writer thread stages the blocks, then arms the self-poll in the same pass:
+        # wait for both, whichever thread runs when (R-P07).
+        prefill.step()
+        return len(waiting) == 5 and side.self_poll_interval_s is not None
+
+    poll_until(staged_and_self_polling, 20, "five staged requests and the self-poll armed")
+    assert side.self_poll_interval_s == pytest.approx(0.001), "polls every 1 ms (R-P07)"
     d = _decode_child(p, 5, "--per-step", "2")
     poll_until(prefill.all_sent, 40, "every lease finished_sending")
-    assert p.side.self_poll_interval_s is None, "self-poll disarmed once all matched"
+    # The last match emptied the table, and the writer stopped self-polling, before that
+    # request's WRITE was posted: a finished send implies it, on any schedule.
+    assert not side.writer.self_polling, "nothing waits for a PUSH_REG any more (R-P07)"
+    poll_until(lambda: side.self_poll_interval_s is None, 10, "the writer back on its wake event")
     summary = child_summary(d)
     assert (summary["verified"], summary["failed"]) == (5, 0)
 
@@ -180,9 +191,13 @@ def test_R_P11_B07_unclaimed_leases_are_reaped(prefill_factory: Any) -> None:
     prefill.finish_all()
     poll_until(prefill.all_sent, 20, "leases reaped")
     assert p.side.bus.metrics.get("push.p.lease_expired") == 3
-    poll_until(lambda: not p.side.writer.push_finished_blocks, 5, "writer tables evicted")
-    assert p.side.self_poll_interval_s is None
-    assert not p.side.scheduler.has_pending_push_work()
+    side = p.side
+
+    def evicted() -> bool:  # the writer thread evicts, then disarms its self-poll
+        return not side.writer.push_finished_blocks and side.self_poll_interval_s is None
+
+    poll_until(evicted, 5, "writer tables evicted and the self-poll disarmed")
+    assert not side.scheduler.has_pending_push_work()
 
 
 def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
@@ -198,7 +213,7 @@ def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
         leg = decode_leg({}, PrefillCoordinates("prefill-0", "127.0.0.1", p.port, 1))
         for i in range(3):
             blocks = d.memory.allocate(2)
-            d.side.scheduler.update_state_after_alloc(
+            d.side.update_state_after_alloc(
                 f"cmpl-wd{i}-0-bbbb0000", blocks, leg["kv_transfer_params"]
             )
 
@@ -208,7 +223,10 @@ def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
             return d.side.bus.metrics.get("push.d.watchdog_expired") == 3
 
         poll_until(dropped, 20, "three watchdog expiries")
-        assert len(p.side.writer.pending_d_registrations) == 3, "P holds them until its TTL"
+        # P's writer thread holds the PUSH_REGs until its own TTL (480 s), whenever they
+        # reached it relative to D's watchdog.
+        pending = p.side.writer.pending_d_registrations
+        poll_until(lambda: len(pending) == 3, 20, "P holding the three PUSH_REGs")
         assert not d.side.scheduler.has_pending_push_work()
 
 
@@ -233,7 +251,7 @@ def test_R_P08_R_P15_heartbeats_keep_a_lease_alive(prefill_factory: Any) -> None
     summary = child_summary(d)
     assert summary["verified"] == 1
     assert "push.p.lease_expired" not in p.side.bus.metrics
-    heartbeats = [r for r in p.side.bus.machine(P_KIND).routes if r.edge[1] == "heartbeat"]
+    heartbeats = [r for r in p.side.bus.machine(P_LEASE).routes if r.edge[1] == "heartbeat"]
     assert sum(r.count for r in heartbeats) >= 2
 
 
@@ -241,7 +259,7 @@ def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
     """Pull: P's request_finished returns its coordinates and blocks; D READs them, its
     READ's notif frees P's lease; heartbeats and handshakes are push mode's."""
     from kvhandoff.demo.launcher import relay
-    from kvhandoff.machines.pull.p_lease import KIND as PULL_P_KIND
+    from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
 
     p = prefill_factory(mode="pull")
     requests = demo_requests(4, SEED)
@@ -250,9 +268,7 @@ def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
         rid = f"{req.client_id}-cccc0000"
         blocks = p.memory.allocate(req.num_blocks)
         p.memory.fill(req.client_id, blocks)
-        delay_free, params = p.side.scheduler.request_finished(
-            rid, blocks, {"do_remote_decode": True}
-        )
+        delay_free, params = p.side.request_finished(rid, blocks, {"do_remote_decode": True})
         assert delay_free and params is not None and params["remote_block_ids"] == blocks
         relay(d, {"client": req.client_id, "params": params})
     sent: set[str] = set()
@@ -260,4 +276,4 @@ def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
     summary = child_summary(d)
     assert (summary["verified"], summary["failed"]) == (4, 0)
     assert p.side.bus.metrics.get("pull.p.read_by_d") == 4, "freed by D's notif, not expiry"
-    assert p.side.bus.counters(PULL_P_KIND).live == 0
+    assert p.side.bus.counters(PULL_P_LEASE).live == 0

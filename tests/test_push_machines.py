@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
 from kvhandoff.machines.push.effects import ReplayPush, ReplayRegistration
-from kvhandoff.machines.push.handshake import HANDSHAKE
+from kvhandoff.machines.push.handshake import HANDSHAKE, Ensure
 from kvhandoff.machines.push.p_lease import P_LEASE
+from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.push_wire import PushRegistration
 from kvhandoff.testing import run_model_test
 
@@ -48,15 +49,14 @@ OPS = st.sampled_from([ReplayRegistration("d-1", REG), ReplayPush("p-1", (3, 4),
 
 
 def test_R_P05_handshake_model() -> None:
-    def replayed_or_deferred(inst: object) -> None:
+    def replayed_or_deferred(inst: Instance[object]) -> None:
         deferred = inst.ctx.deferred  # type: ignore[attr-defined]
-        state = inst.state  # type: ignore[attr-defined]
-        assert state == "in_progress" or not deferred, "only a handshake in progress defers"
+        assert inst.has("deferring") or not deferred, "only a handshake in progress defers"
 
     run_model_test(
         HANDSHAKE,
         context=st.fixed_dictionaries({"host": st.just("127.0.0.1"), "port": st.just(5500)}),
-        payloads={"ensure": OPS},
+        payloads={Ensure: OPS.map(Ensure)},
         invariants=[replayed_or_deferred],
         max_examples=200,
     )
@@ -81,22 +81,20 @@ def test_B09_pull_machines_model() -> None:
 
 
 def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:
-    from kvhandoff.machines.pull.d_read import D_READ
-    from kvhandoff.machines.push.effects import FailedRecving, ReleaseTransfer
+    from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
+    from kvhandoff.machines.push.effects import ReleaseTransfer, ReportFailedRecving
+    from kvhandoff.machines.push.events import Drained, Enqueued, Poll, ReadPosted
     from kvhandoff.machines.runtime.bus import EventBus
-    from kvhandoff.machines.runtime.clock import VirtualClock
     from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
 
-    clock = VirtualClock()
-    bus = EventBus(clock)
+    bus = EventBus()
     bus.register(D_READ, {"push_write_timeout": 5.0})
     source = PullSource(PrefillCoordinates("P", "127.0.0.1", 5500, 1), "p-1", (1, 2))
-    bus.create(D_READ.name, "d-1", source=source, block_ids=(3, 4))
-    for event in ("drained", "enqueued", "read_posted"):
-        bus.dispatch(D_READ.name, "d-1", event)
+    bus.create(D_READ, DReadCtx("d-1", source, (3, 4)), 0.0)
+    for event in (Drained(), Enqueued(), ReadPosted(), Poll()):  # the first poll starts it
+        bus.dispatch(D_READ, "d-1", event, 0.0)
     bus.drain_outbox()
-    clock.advance(5.0)
-    assert bus.fire_due() == 1
+    assert bus.fire_due(5.0) == 1
     effects = [effect for _, effect in bus.drain_outbox()]
     assert effects[0] == ReleaseTransfer("d-1")
-    assert any(isinstance(e, FailedRecving) and e.block_ids == (3, 4) for e in effects)
+    assert any(isinstance(e, ReportFailedRecving) and e.block_ids == (3, 4) for e in effects)

@@ -15,8 +15,8 @@ from test_push_integration import SEED, SHAPE, Prefill, child, child_summary, po
 from kvhandoff.demo.launcher import go
 from kvhandoff.demo.push_instance import LivePushInstance
 from kvhandoff.demo.push_role import demo_requests
-from kvhandoff.machines.push.d_registration import KIND as D_KIND
-from kvhandoff.machines.push.handshake import KIND as HANDSHAKE_KIND
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.handshake import HANDSHAKE
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -57,8 +57,7 @@ def test_kill_prefill_after_registration_then_restart() -> None:
 
         def sent() -> bool:
             d.step()
-            states = [d.side.bus.get(D_KIND, rid) for rid in blocks]
-            return all(inst is not None and inst.state == "sent" for inst in states)
+            return all(d.side.bus.has_tag(D_REGISTRATION, rid, "needs_heartbeat") for rid in blocks)
 
         poll_until(sent, 30, "three PUSH_REGs sent")
         doomed.proc.kill()  # kill -9 P after D registered
@@ -73,8 +72,8 @@ def test_kill_prefill_after_registration_then_restart() -> None:
 
         def forgotten() -> bool:
             d.step()
-            inst = d.side.writer_bus.get(HANDSHAKE_KIND, "prefill-0")
-            return inst is not None and inst.state != "connected"
+            inst = d.side.writer_bus.get(HANDSHAKE, "prefill-0")
+            return inst is not None and not inst.has("peer_ready")
 
         poll_until(forgotten, 10, "the dead prefill agent forgotten (B-08)")
 
@@ -131,7 +130,7 @@ def test_R_P10_B08_kill_prefill_mid_write_then_restart() -> None:
         assert all(received.values()), "every completed receive holds P's bytes"
         assert set(received).isdisjoint(failed), "a receive ends once"
         assert all(reason for reason in failed.values()), "every failure carries a reason"
-        assert all(d.side.bus.get(D_KIND, rid) is None for rid in blocks), "none left live"
+        assert all(d.side.bus.get(D_REGISTRATION, rid) is None for rid in blocks), "none left live"
         assert not d.side.scheduler.has_pending_push_work()
         assert d.writer.alive and d.writer.errors == 0
 
@@ -160,5 +159,5 @@ def _register(d: LivePushInstance, port: int, requests: Any) -> dict[str, list[i
         rid = f"{req.client_id}-dddd0000"
         blocks[rid] = d.memory.allocate(req.num_blocks)
         d.memory.clear(blocks[rid])
-        d.side.scheduler.update_state_after_alloc(rid, blocks[rid], leg["kv_transfer_params"])
+        d.side.update_state_after_alloc(rid, blocks[rid], leg["kv_transfer_params"])
     return blocks

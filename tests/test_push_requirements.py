@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvhandoff.machines.push.d_registration import KIND as D_KIND
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
 from kvhandoff.machines.push.effects import (
     ArmSelfPoll,
     DisarmSelfPoll,
@@ -29,8 +29,17 @@ from kvhandoff.machines.push.effects import (
     StartHandshake,
     WakeWriter,
 )
-from kvhandoff.machines.push.handshake import KIND as HANDSHAKE_KIND
-from kvhandoff.machines.push.p_lease import KIND as P_KIND
+from kvhandoff.machines.push.events import (
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeStarted,
+    Matched,
+    RegSent,
+    WritePosted,
+    WriteSubmitFailed,
+)
+from kvhandoff.machines.push.handshake import HANDSHAKE
+from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.scheduler import (
     LocalEngine,
     PushConnectorMeta,
@@ -42,6 +51,8 @@ from kvhandoff.machines.push.worker import PushWorker
 from kvhandoff.machines.push.writer import PushWriter
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.clock import VirtualClock
+from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.blocks import expand_to_physical
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg, prefill_leg
 from kvhandoff.protocol.notifs import (
@@ -83,15 +94,22 @@ def registration(request_id: str, blocks: tuple[int, ...] = (1, 2)) -> PushRegis
 
 
 class MainSide:
-    """One side's main-thread bus with the scheduler and worker API, effects collected."""
+    """One side's main-thread bus with the scheduler and worker API, effects collected.
+    Time is an argument: every call passes `clock.now`."""
 
     def __init__(self, role: str, clock: VirtualClock | None = None) -> None:
         self.clock = clock or VirtualClock()
-        self.bus = EventBus(self.clock)
+        self.bus = EventBus()
         register_push_machines(self.bus, CONFIG)
         engine = P_ENGINE if role == "prefill" else D_ENGINE
         self.sched = PushScheduler(self.bus, role, engine, CONFIG)  # type: ignore[arg-type]
-        self.worker = PushWorker(self.bus, role, engine, CONFIG)  # type: ignore[arg-type]
+        self.worker = PushWorker(
+            self.bus,
+            role,  # type: ignore[arg-type]
+            engine,
+            CONFIG,
+            now=self.clock.now,
+        )
         self.wakes = 0
         self.bus.handle(WakeWriter, lambda _i, _e: self._woken())
         self.retired: list[tuple[str, str]] = []
@@ -103,13 +121,22 @@ class MainSide:
     def effects(self) -> list[object]:
         return [effect for _inst, effect in self.bus.drain_outbox()]
 
-    def state(self, kind: str, key: str) -> str | None:
+    def state(self, kind: Declaration[Any], key: str) -> str | None:
         inst = self.bus.get(kind, key)
         return None if inst is None else inst.state
 
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
-def writer(role: str, clock: VirtualClock | None = None) -> PushWriter:
-    return PushWriter(role, EventBus(clock or VirtualClock()))  # type: ignore[arg-type]
+
+def writer(role: str) -> PushWriter:
+    return PushWriter(role, EventBus())  # type: ignore[arg-type]
+
+
+def report(request_id: str, *events: Event) -> list[ReportToMain]:
+    """What the writer thread tells the main thread happened to `request_id`."""
+    return [ReportToMain(request_id, event) for event in events]
 
 
 def world(**settings: Any) -> SimulatedPushWorld:
@@ -183,8 +210,8 @@ def test_R_P01_proxy_legs_carry_roles_and_prefill_coordinates() -> None:
     assert (params["remote_engine_id"], params["remote_host"]) == ("prefill-7", "10.1.1.1")
     assert (params["remote_port"], params["remote_tp_size"]) == (6000, 2)
     d = MainSide("decode")
-    d.sched.update_state_after_alloc("cmpl-1-0-aaaaaaaa", [3, 4], params)
-    reg = d.sched.build_connector_meta().push_registrations["cmpl-1-0-aaaaaaaa"]
+    d.sched.update_state_after_alloc("cmpl-1-0-aaaaaaaa", [3, 4], params, d.now)
+    reg = d.sched.build_connector_meta(d.now).push_registrations["cmpl-1-0-aaaaaaaa"]
     assert (reg.remote_engine_id, reg.remote_port, reg.remote_tp_size) == ("prefill-7", 6000, 2)
     assert (reg.decode_engine_id, reg.block_ids) == (D_ENGINE.engine_id, (3, 4))
 
@@ -201,7 +228,7 @@ def test_R_P02_registration_flows_from_alloc_to_a_push_reg_notif() -> None:
     d = w.decode
     d_id = w.ledger.clients[client].d_id
     assert d_id is not None
-    assert d.side.bus.get(D_KIND, d_id).state == "queued"  # type: ignore[union-attr]
+    assert d.side.bus.get(D_REGISTRATION, d_id).state == "queued"  # type: ignore[union-attr]
     assert [op.request_id for op in d.side.reg_send_inbox] == [d_id]
     assert d.side.wake.is_set()
     w.writer_pass("decode")  # first contact: the handshake runs first (R-P05)
@@ -210,9 +237,9 @@ def test_R_P02_registration_flows_from_alloc_to_a_push_reg_notif() -> None:
     assert spy.sent(PUSH_REG_PREFIX) == []
     w.writer_pass("decode")
     (message,) = spy.sent(PUSH_REG_PREFIX)
-    assert message == encode_push_reg(d.side.bus.get(D_KIND, d_id).ctx.registration)  # type: ignore[union-attr]
+    assert message == encode_push_reg(d.side.bus.get(D_REGISTRATION, d_id).ctx.registration)  # type: ignore[union-attr]
     w.step("decode")
-    assert d.side.bus.get(D_KIND, d_id).state == "sent"  # type: ignore[union-attr]
+    assert d.side.bus.get(D_REGISTRATION, d_id).state == "sent"  # type: ignore[union-attr]
     clean(w)
 
 
@@ -222,16 +249,19 @@ def test_R_P02_registration_flows_from_alloc_to_a_push_reg_notif() -> None:
 def test_R_P03_request_finished_stashes_blocks_for_the_lease_and_the_next_step() -> None:
     p = MainSide("prefill")
     rid = "cmpl-2-0-aaaaaaaa"
-    assert p.sched.request_finished(rid, [4, 5], {"do_remote_decode": False}) == (False, None)
+    assert p.sched.request_finished(rid, [4, 5], {"do_remote_decode": False}, p.now) == (
+        False,
+        None,
+    )
     assert not p.sched.has_pending_push_work()
-    assert p.sched.request_finished(rid, [4, 5], {"do_remote_decode": True}) == (True, None)
-    assert p.sched.has_pending_push_work() and p.state(P_KIND, rid) == "finished"
-    meta = p.sched.build_connector_meta()
+    assert p.sched.request_finished(rid, [4, 5], {"do_remote_decode": True}, p.now) == (True, None)
+    assert p.sched.has_pending_push_work() and p.state(P_LEASE, rid) == "finished"
+    meta = p.sched.build_connector_meta(p.now)
     assert meta.push_finished_blocks == {rid: (4, 5)}
-    p.worker.start_load_kv(meta)
+    p.worker.start_load_kv(meta, p.now)
     assert p.effects() == [EnqueueFinishedBlocks(rid, (4, 5))]
-    assert p.state(P_KIND, rid) == "staged" and p.wakes == 1
-    assert p.sched.build_connector_meta().push_finished_blocks == {}  # handed over once
+    assert p.state(P_LEASE, rid) == "staged" and p.wakes == 1
+    assert p.sched.build_connector_meta(p.now).push_finished_blocks == {}  # handed over once
 
 
 # -- R-P04 matching ------------------------------------------------------------------------
@@ -262,12 +292,12 @@ def test_R_P04_either_side_may_arrive_first_and_ids_match_by_base(first: str) ->
 
 def test_R_P04_completion_index_keeps_sub_requests_apart() -> None:
     p = writer("prefill")
-    p.on_finished_blocks("cmpl-9-0-aaaaaaaa", (1,))
-    p.on_finished_blocks("cmpl-9-1-bbbbbbbb", (2,))
+    p.on_finished_blocks("cmpl-9-0-aaaaaaaa", (1,), 0.0)
+    p.on_finished_blocks("cmpl-9-1-bbbbbbbb", (2,), 0.0)
     p.take_effects()
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-9-1-cccccccc")))
+    p.on_notif("d-agent", encode_push_reg(registration("cmpl-9-1-cccccccc")), 0.0)
     reports = [e for e in p.take_effects() if isinstance(e, ReportToMain)]
-    assert reports[0] == ReportToMain("cmpl-9-1-bbbbbbbb", "matched")
+    assert reports[0] == ReportToMain("cmpl-9-1-bbbbbbbb", Matched(), peer="d-agent")
     assert list(p.push_finished_blocks) == ["cmpl-9-0-aaaaaaaa"]
 
 
@@ -277,34 +307,34 @@ def test_R_P04_completion_index_keeps_sub_requests_apart() -> None:
 def test_R_P05_d_registration_waits_for_the_handshake_and_is_replayed() -> None:
     d = writer("decode")
     reg = registration("cmpl-3-0-dddddddd")
-    d.on_reg_send(reg.request_id, reg)
+    d.on_reg_send(reg.request_id, reg, 0.0)
     assert d.take_effects() == [
         StartHandshake(P_ENGINE.engine_id, P_ENGINE.host, P_ENGINE.port),
-        ReportToMain(reg.request_id, "handshake_started"),
+        ReportToMain(reg.request_id, HandshakeStarted()),
     ]
-    hs = d.bus.get(HANDSHAKE_KIND, P_ENGINE.engine_id)
+    hs = d.bus.get(HANDSHAKE, P_ENGINE.engine_id)
     assert hs is not None and hs.state == "in_progress" and len(hs.ctx.deferred) == 1
-    d.on_handshake_result(P_ENGINE.engine_id, True)
+    d.on_handshake_result(P_ENGINE.engine_id, True, 0.0)
     assert d.take_effects() == [
-        ReportToMain(reg.request_id, "handshake_done"),
+        ReportToMain(reg.request_id, HandshakeDone()),
         ReplayRegistration(reg.request_id, reg),
     ]
-    d.on_reg_send(reg.request_id, reg)  # the second pass finds the agent connected
+    d.on_reg_send(reg.request_id, reg, 0.0)  # the second pass finds the agent connected
     assert d.take_effects() == [SendPushReg(reg.request_id, reg)]
 
 
 def test_R_P05_p_push_waits_for_the_handshake_and_is_replayed() -> None:
     p = writer("prefill")
     reg = registration("cmpl-4-0-dddddddd")
-    p.on_notif("d-agent", encode_push_reg(reg))
-    p.on_finished_blocks("cmpl-4-0-0a0a0a0a", (7, 8))
+    p.on_notif("d-agent", encode_push_reg(reg), 0.0)
+    p.on_finished_blocks("cmpl-4-0-0a0a0a0a", (7, 8), 0.0)
     effects = p.take_effects()
-    assert ReportToMain("cmpl-4-0-0a0a0a0a", "matched") in effects
+    assert ReportToMain("cmpl-4-0-0a0a0a0a", Matched(), peer="d-agent") in effects
     assert StartHandshake(D_ENGINE.engine_id, D_ENGINE.host, D_ENGINE.port) in effects
-    p.on_handshake_result(D_ENGINE.engine_id, True)
+    p.on_handshake_result(D_ENGINE.engine_id, True, 0.0)
     replay = ReplayPush("cmpl-4-0-0a0a0a0a", (7, 8), reg, "d-agent")
     assert replay in p.take_effects()
-    p.on_deferred_push(replay)
+    p.on_deferred_push(replay, 0.0)
     assert p.take_effects() == [IssueWrite("cmpl-4-0-0a0a0a0a", (7, 8), reg, "d-agent")]
 
 
@@ -312,13 +342,13 @@ def test_R_P05_a_failed_handshake_fails_its_operations_without_a_retry_loop() ->
     d = writer("decode")
     for n in (1, 2):
         reg = registration(f"cmpl-5-{n}-dddddddd")
-        d.on_reg_send(reg.request_id, reg)
+        d.on_reg_send(reg.request_id, reg, 0.0)
     d.take_effects()
-    d.on_handshake_result(P_ENGINE.engine_id, False)
+    d.on_handshake_result(P_ENGINE.engine_id, False, 0.0)
     effects = d.take_effects()
     assert [e for e in effects if isinstance(e, ReportToMain)] == [
-        ReportToMain("cmpl-5-1-dddddddd", "handshake_failed"),
-        ReportToMain("cmpl-5-2-dddddddd", "handshake_failed"),
+        ReportToMain("cmpl-5-1-dddddddd", HandshakeFailed()),
+        ReportToMain("cmpl-5-2-dddddddd", HandshakeFailed()),
     ]
     assert not any(isinstance(e, StartHandshake | ReplayRegistration) for e in effects)
 
@@ -360,31 +390,31 @@ def test_R_P06_write_expands_logical_ids_and_notifies_with_ds_own_id() -> None:
 
 def test_R_P07_start_load_kv_wakes_only_when_it_hands_over_work() -> None:
     d = MainSide("decode")
-    d.worker.start_load_kv(PushConnectorMeta())
+    d.worker.start_load_kv(PushConnectorMeta(), d.now)
     assert d.wakes == 0
     d.sched.update_state_after_alloc(
-        "cmpl-6-0-aaaaaaaa", [1], decode_leg({}, P_COORDS)["kv_transfer_params"]
+        "cmpl-6-0-aaaaaaaa", [1], decode_leg({}, P_COORDS)["kv_transfer_params"], d.now
     )
-    d.worker.start_load_kv(d.sched.build_connector_meta())
+    d.worker.start_load_kv(d.sched.build_connector_meta(d.now), d.now)
     assert d.wakes == 1
-    d.worker.start_load_kv(d.sched.build_connector_meta())  # nothing new
+    d.worker.start_load_kv(d.sched.build_connector_meta(d.now), d.now)  # nothing new
     assert d.wakes == 1
 
 
 def test_R_P07_get_finished_always_wakes_the_writer() -> None:
     p = MainSide("prefill")
     for expected in (1, 2, 3):
-        p.worker.get_finished()
+        p.worker.get_finished((), p.now)
         assert p.wakes == expected
 
 
 def test_R_P07_self_poll_while_blocks_wait_unmatched_then_disarm() -> None:
     p = writer("prefill")
-    p.on_finished_blocks("cmpl-7-0-aaaaaaaa", (1,))
+    p.on_finished_blocks("cmpl-7-0-aaaaaaaa", (1,), 0.0)
     assert ArmSelfPoll(0.001) in p.take_effects()
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-7-0-dddddddd")))
+    p.on_notif("d-agent", encode_push_reg(registration("cmpl-7-0-dddddddd")), 0.0)
     assert DisarmSelfPoll() in p.take_effects()  # matched: nothing waits any more
-    p.on_finished_blocks("cmpl-7-1-aaaaaaaa", (2,))
+    p.on_finished_blocks("cmpl-7-1-aaaaaaaa", (2,), 0.0)
     assert ArmSelfPoll(0.001) in p.take_effects()
     p.on_evict("cmpl-7-1-aaaaaaaa")
     assert p.take_effects() == [DisarmSelfPoll()]
@@ -396,52 +426,52 @@ def test_R_P07_self_poll_while_blocks_wait_unmatched_then_disarm() -> None:
 
 def test_R_P08_writer_routes_push_reg_to_matching_and_forwards_the_rest() -> None:
     p = writer("prefill")
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-8-0-dddddddd")))
-    p.on_notif("d-agent", encode_heartbeat(["cmpl-8-0-dddddddd"]))
+    p.on_notif("d-agent", encode_push_reg(registration("cmpl-8-0-dddddddd")), 0.0)
+    p.on_notif("d-agent", encode_heartbeat(["cmpl-8-0-dddddddd"]), 0.0)
     assert list(p.pending_d_registrations) == ["cmpl-8-0-dddddddd"]
     assert p.take_effects() == [
         ForwardToMain(HeartbeatNotif(("cmpl-8-0-dddddddd",)), "d-agent"),
     ]
     d = writer("decode")
-    d.on_notif("p-agent", encode_completion_notif("cmpl-8-0-dddddddd", 1))
+    d.on_notif("p-agent", encode_completion_notif("cmpl-8-0-dddddddd", 1), 0.0)
     assert d.take_effects() == [ForwardToMain(CompletionNotif("cmpl-8-0-dddddddd", 1), "p-agent")]
 
 
 def test_R_P08_heartbeat_extends_the_lease_to_max_of_old_and_now_plus_extension() -> None:
     p = MainSide("prefill")
     rid = "cmpl-8-1-0a0a0a0a"
-    p.sched.request_finished(rid, [1], {"do_remote_decode": True})
-    p.worker.start_load_kv(p.sched.build_connector_meta())
-    assert p.bus.deadline_of(P_KIND, rid) == 30.0
+    p.sched.request_finished(rid, [1], {"do_remote_decode": True}, p.now)
+    p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
+    assert p.bus.deadline_of(P_LEASE, rid) == 30.0
     beat = ForwardToMain(HeartbeatNotif(("cmpl-8-1-dddddddd",)), "d-agent")  # D's own id
     p.clock.advance(5.0)
-    p.worker.get_finished([beat])
-    assert p.bus.deadline_of(P_KIND, rid) == 30.0  # 5 + 20 < 30: unchanged
+    p.worker.get_finished([beat], p.now)
+    assert p.bus.deadline_of(P_LEASE, rid) == 30.0  # 5 + 20 < 30: unchanged
     p.clock.advance(10.0)
-    p.worker.get_finished([beat])
-    assert p.bus.deadline_of(P_KIND, rid) == 35.0  # 15 + 20
+    p.worker.get_finished([beat], p.now)
+    assert p.bus.deadline_of(P_LEASE, rid) == 35.0  # 15 + 20
 
 
 @pytest.mark.parametrize(
-    "failure", [("handshake_started", "handshake_failed"), ("write_submit_failed",)]
+    "failure", [(HandshakeStarted(), HandshakeFailed()), (WriteSubmitFailed(),)]
 )
 def test_R_P08_R_P12_heartbeats_no_longer_extend_a_lease_whose_push_failed(
-    failure: tuple[str, ...],
+    failure: tuple[Event, ...],
 ) -> None:
     """Nothing retries a failed handshake or WRITE, so D's heartbeats (sent until D's
     own watchdog gives up) must not keep the dead request's blocks from the pool."""
     p = MainSide("prefill")
     rid = "cmpl-8-2-0a0a0a0a"
-    p.sched.request_finished(rid, [1], {"do_remote_decode": True})
-    p.worker.start_load_kv(p.sched.build_connector_meta())
-    p.worker.get_finished([ReportToMain(rid, event) for event in ("matched", *failure)])
-    assert p.state(P_KIND, rid) in ("handshake_failed", "write_failed")
+    p.sched.request_finished(rid, [1], {"do_remote_decode": True}, p.now)
+    p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
+    p.worker.get_finished(report(rid, Matched(), *failure), p.now)
+    assert p.state(P_LEASE, rid) in ("handshake_failed", "write_failed")
     beat = ForwardToMain(HeartbeatNotif(("cmpl-8-2-dddddddd",)), "d-agent")
     p.clock.advance(15.0)
-    p.worker.get_finished([beat])
-    assert p.bus.deadline_of(P_KIND, rid) == 30.0, "15 + 20 would have extended a live one"
+    p.worker.get_finished([beat], p.now)
+    assert p.bus.deadline_of(P_LEASE, rid) == 30.0, "15 + 20 would have extended a live one"
     p.clock.advance(16.0)
-    assert p.worker.get_finished([beat]).finished_sending == {rid}, "reaped at its deadline"
+    assert p.worker.get_finished([beat], p.now).finished_sending == {rid}, "reaped at its deadline"
 
 
 # -- R-P09 completion accounting -----------------------------------------------------------
@@ -450,17 +480,19 @@ def test_R_P08_R_P12_heartbeats_no_longer_extend_a_lease_whose_push_failed(
 def test_R_P09_completion_reports_finished_recving_once_and_clears_the_watchdog() -> None:
     d = MainSide("decode")
     rid = "cmpl-9-0-dddddddd"
-    d.sched.update_state_after_alloc(rid, [1, 2], decode_leg({}, P_COORDS)["kv_transfer_params"])
-    d.worker.start_load_kv(d.sched.build_connector_meta())
-    d.worker.get_finished([ReportToMain(rid, "reg_sent")])
-    assert d.bus.deadline_of(D_KIND, rid) == CONFIG.registration_timeout
+    d.sched.update_state_after_alloc(
+        rid, [1, 2], decode_leg({}, P_COORDS)["kv_transfer_params"], d.now
+    )
+    d.worker.start_load_kv(d.sched.build_connector_meta(d.now), d.now)
+    d.worker.get_finished(report(rid, RegSent()), d.now)
+    assert d.bus.deadline_of(D_REGISTRATION, rid) == CONFIG.registration_timeout
     done = ForwardToMain(CompletionNotif(rid, 1), "p-agent")
-    output = d.worker.get_finished([done, done])  # a duplicate changes nothing
+    output = d.worker.get_finished([done, done], d.now)  # a duplicate changes nothing
     assert output.finished_recving == {rid}
-    assert d.bus.deadline_of(D_KIND, rid) is None  # the watchdog is off
-    d.sched.update_connector_output(output)
+    assert d.bus.deadline_of(D_REGISTRATION, rid) is None  # the watchdog is off
+    d.sched.update_connector_output(output, d.now)
     assert d.retired == [(rid, "received")]
-    assert d.worker.get_finished([done]).finished_recving == set()
+    assert d.worker.get_finished([done], d.now).finished_recving == set()
 
 
 def test_R_P09_sending_done_frees_the_lease_and_the_writer_forgets_the_request() -> None:
@@ -473,7 +505,7 @@ def test_R_P09_sending_done_frees_the_lease_and_the_writer_forgets_the_request()
     assert get_base_request_id(record.p_id or "") in writer_core._evicted
     assert not writer_core.self_polling
     assert not w.prefill.side.evict_finished_inbox
-    assert w.prefill.side.bus.live(P_KIND) == 0
+    assert w.prefill.side.bus.live(P_LEASE) == 0
     finish(w)
 
 
@@ -489,17 +521,17 @@ def test_R_P10_watchdog_drops_a_registration_and_never_resends_it(
     hold(w, "prefill")  # P never finishes: no WRITE, no completion
     w.run_for(1.0)
     d_id = w.ledger.clients[client].d_id or ""
-    assert w.decode.side.bus.get(D_KIND, d_id).state == "sent"  # type: ignore[union-attr]
+    assert w.decode.side.bus.get(D_REGISTRATION, d_id).state == "sent"  # type: ignore[union-attr]
     logging.getLogger("kvhandoff").setLevel(logging.NOTSET)
     with caplog.at_level(logging.WARNING, logger="kvhandoff"):
         w.advance(w.settings.push.registration_timeout)
         w.step("decode")  # build_connector_meta fires the watchdog
-    assert w.decode.side.bus.get(D_KIND, d_id) is None
+    assert w.decode.side.bus.get(D_REGISTRATION, d_id) is None
     assert any("watchdog expired" in r.getMessage() for r in caplog.records)
     assert w.ledger.clients[client].d == "expired"  # the engine's abort path took it
     w.run_for(120.0)
     assert len(spy.sent(PUSH_REG_PREFIX)) == 1  # never re-sent
-    w.decode.side.scheduler.abort(d_id)  # nothing left to abort
+    w.decode.side.abort(d_id)  # nothing left to abort
     clean(w)
 
 
@@ -509,13 +541,13 @@ def test_R_P10_watchdog_drops_a_registration_and_never_resends_it(
 def test_R_P11_expired_leases_are_reaped_in_get_finished_and_evicted() -> None:
     p = MainSide("prefill")
     rid = "cmpl-11-0-0a0a0a0a"
-    p.sched.request_finished(rid, [1, 2], {"do_remote_decode": True})
-    p.worker.start_load_kv(p.sched.build_connector_meta())
+    p.sched.request_finished(rid, [1, 2], {"do_remote_decode": True}, p.now)
+    p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
     p.effects()
     p.clock.advance(CONFIG.kv_lease_duration + 1)
-    p.sched.build_connector_meta()
-    assert p.state(P_KIND, rid) == "staged"  # P's leases are not reaped here
-    output = p.worker.get_finished()
+    p.sched.build_connector_meta(p.now)
+    assert p.state(P_LEASE, rid) == "staged"  # P's leases are not reaped here
+    output = p.worker.get_finished((), p.now)
     assert output.finished_sending == {rid}
     evictions = [e for e in p.effects() if type(e).__name__ == "QueueEviction"]
     assert [e.request_id for e in evictions] == [rid]  # type: ignore[attr-defined]
@@ -526,15 +558,13 @@ def test_R_P11_a_write_posted_just_before_expiry_keeps_its_blocks() -> None:
     """The writer's report that a WRITE left is read before the expired lease is reaped."""
     p = MainSide("prefill")
     rid = "cmpl-11-1-0a0a0a0a"
-    p.sched.request_finished(rid, [1], {"do_remote_decode": True})
-    p.worker.start_load_kv(p.sched.build_connector_meta())
+    p.sched.request_finished(rid, [1], {"do_remote_decode": True}, p.now)
+    p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
     p.clock.advance(CONFIG.kv_lease_duration + 1)  # the main thread stalled meanwhile
-    p.sched.build_connector_meta()
-    output = p.worker.get_finished(
-        [ReportToMain(rid, "matched"), ReportToMain(rid, "write_posted")]
-    )
+    p.sched.build_connector_meta(p.now)
+    output = p.worker.get_finished(report(rid, Matched(), WritePosted()), p.now)
     assert output.finished_sending == set()
-    assert p.state(P_KIND, rid) == "writing"
+    assert p.state(P_LEASE, rid) == "writing"
 
 
 def test_R_P11_writer_drops_blocks_of_a_reaped_lease() -> None:
@@ -634,7 +664,7 @@ def test_R_P12_p_handshake_failure_is_logged_and_dropped_without_requeue(
         w.run_for(0.01)
     assert any("push_handshake_failed" in r.getMessage() for r in caplog.records)
     p_id = w.ledger.clients[client].p_id or ""
-    assert p.side.bus.get(P_KIND, p_id).state == "handshake_failed"  # type: ignore[union-attr]
+    assert p.side.bus.get(P_LEASE, p_id).state == "handshake_failed"  # type: ignore[union-attr]
     assert not p.executor.jobs and not p.side.deferred_push_inbox  # no requeue, no retry
     # D's heartbeats keep the lease alive while D waits; then D's watchdog drops the
     # registration, the heartbeats stop, and the lease reclaims P's blocks.
@@ -654,7 +684,7 @@ def test_R_P12_p_write_submit_failure_is_counted_without_a_failed_receive_on_p()
     p = w.prefill
     assert p.side.failed_transfers == 1
     p_id = w.ledger.clients[client].p_id or ""
-    assert p.side.bus.get(P_KIND, p_id).state == "write_failed"  # type: ignore[union-attr]
+    assert p.side.bus.get(P_LEASE, p_id).state == "write_failed"  # type: ignore[union-attr]
     assert w.ledger.clients[client].p == "leased"  # freed later by the lease
     finish(w)
     assert w.ledger.clients[client].finished_sending == 1
@@ -718,28 +748,28 @@ def test_B06_write_failed_notif_fails_d_at_once() -> None:
 def test_B07_leases_are_reaped_in_deadline_order_despite_out_of_order_renewals() -> None:
     p = MainSide("prefill")
     for n in range(3):  # leases A, B, C finish at t = 0, 1, 2: deadlines 30, 31, 32
-        p.sched.request_finished(f"cmpl-70-{n}-0a0a0a0a", [n], {"do_remote_decode": True})
-        p.worker.start_load_kv(p.sched.build_connector_meta())
+        p.sched.request_finished(f"cmpl-70-{n}-0a0a0a0a", [n], {"do_remote_decode": True}, p.now)
+        p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
         p.clock.advance(1.0)
     p.clock.jump_to(15.0)
-    p.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-70-2-dddddddd",)), "d")])
+    p.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-70-2-dddddddd",)), "d")], p.now)
     p.clock.jump_to(16.0)
-    p.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-70-0-dddddddd",)), "d")])
+    p.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-70-0-dddddddd",)), "d")], p.now)
     # Now A = 36, B = 31, C = 35.
     reaped = []
     for when in (31.5, 35.5, 36.5):
         p.clock.jump_to(when)
-        reaped.append(sorted(p.worker.get_finished().finished_sending))
+        reaped.append(sorted(p.worker.get_finished((), p.now).finished_sending))
     assert reaped == [["cmpl-70-1-0a0a0a0a"], ["cmpl-70-2-0a0a0a0a"], ["cmpl-70-0-0a0a0a0a"]]
     p2 = MainSide("prefill")
     for n in range(3):
-        p2.sched.request_finished(f"cmpl-71-{n}-0a0a0a0a", [n], {"do_remote_decode": True})
-        p2.worker.start_load_kv(p2.sched.build_connector_meta())
+        p2.sched.request_finished(f"cmpl-71-{n}-0a0a0a0a", [n], {"do_remote_decode": True}, p2.now)
+        p2.worker.start_load_kv(p2.sched.build_connector_meta(p2.now), p2.now)
         p2.clock.advance(1.0)
     p2.clock.jump_to(15.0)  # A renewed to 35, after B (31) and C (32)
-    p2.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-71-0-dddddddd",)), "d")])
+    p2.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-71-0-dddddddd",)), "d")], p2.now)
     p2.clock.jump_to(100.0)  # everything at once: still deadline order
-    p2.worker.get_finished()
+    p2.worker.get_finished((), p2.now)
     assert [key for key, _ in p2.retired] == [
         "cmpl-71-1-0a0a0a0a",
         "cmpl-71-2-0a0a0a0a",
@@ -749,15 +779,15 @@ def test_B07_leases_are_reaped_in_deadline_order_despite_out_of_order_renewals()
 
 def test_B08_a_lost_peer_is_forgotten_and_the_next_operation_re_handshakes() -> None:
     p = writer("prefill")
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-80-0-dddddddd")))
-    p.on_finished_blocks("cmpl-80-0-0a0a0a0a", (1,))
-    p.on_handshake_result(D_ENGINE.engine_id, True)
+    p.on_notif("d-agent", encode_push_reg(registration("cmpl-80-0-dddddddd")), 0.0)
+    p.on_finished_blocks("cmpl-80-0-0a0a0a0a", (1,), 0.0)
+    p.on_handshake_result(D_ENGINE.engine_id, True, 0.0)
     p.take_effects()
     assert p.is_connected(D_ENGINE.engine_id)
-    p.on_peer_lost(D_ENGINE.engine_id)
+    p.on_peer_lost(D_ENGINE.engine_id, 0.0)
     assert p.take_effects() == [DropRemoteAgent(D_ENGINE.engine_id)]
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-80-1-dddddddd")))
-    p.on_finished_blocks("cmpl-80-1-0a0a0a0a", (2,))
+    p.on_notif("d-agent", encode_push_reg(registration("cmpl-80-1-dddddddd")), 0.0)
+    p.on_finished_blocks("cmpl-80-1-0a0a0a0a", (2,), 0.0)
     assert StartHandshake(D_ENGINE.engine_id, D_ENGINE.host, D_ENGINE.port) in p.take_effects()
 
 
@@ -826,7 +856,7 @@ def test_R_P08_bad_input_is_counted_logged_once_per_peer_and_changes_nothing(
     def rejected() -> int:
         return side.writer.rejected_notifs + side.worker.rejected_notifs
 
-    before = (rejected(), side.bus.live(P_KIND), side.bus.live(D_KIND))
+    before = (rejected(), side.bus.live(P_LEASE), side.bus.live(D_REGISTRATION))
     tables = (dict(side.writer.pending_d_registrations), dict(side.writer.push_finished_blocks))
     logging.getLogger("kvhandoff").setLevel(logging.NOTSET)
     with caplog.at_level(logging.WARNING, logger="kvhandoff"):
@@ -835,7 +865,7 @@ def test_R_P08_bad_input_is_counted_logged_once_per_peer_and_changes_nothing(
             w.writer_pass(role)
             w.step(role)
     assert rejected() == before[0] + 3, what
-    assert (side.bus.live(P_KIND), side.bus.live(D_KIND)) == before[1:]
+    assert (side.bus.live(P_LEASE), side.bus.live(D_REGISTRATION)) == before[1:]
     assert (side.writer.pending_d_registrations, side.writer.push_finished_blocks) == tables
     warned = [r.getMessage() for r in caplog.records if "rejected notif" in r.getMessage()]
     assert len(warned) == 2 and {m.split()[3].rstrip(":") for m in warned} == {

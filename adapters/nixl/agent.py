@@ -6,36 +6,35 @@ descriptor index. Every exception NIXL raises leaves this module as one type,
 `NixlTransferError(op, detail)`; misuse by the caller (a closed agent, a handle of the
 wrong side, index lists of different lengths) is a `LocalProtocolError`.
 
-Descriptor numbering (`BlockLayout`): a layout is an ordered list of regions, each
-`(base_addr, block_len, num_blocks)`; block `b` of region `r` starts at
-`base_addr + b * block_len`, and its descriptor index is `offset[r] + b`, where `offset[r]`
-is the sum of `num_blocks` over the regions before `r`. When every region has the same
-`num_blocks = N` this is `r * N + b`; regions of different capacity (R-P14) are allowed.
-
-One descriptor per block is enough: NIXL's `make_prepped_xfer` merges every run of index
-pairs that is consecutive on both sides into one descriptor before the backend sees it
-(its debug log says "merged 1024 indices into 64 descriptors" for a 16-block request in
-64 regions). Coarser lists prepared here would not lower what the backend posts
-(bench/RESULTS.md, "## Push", descriptor coalescing).
-
 The NIXL backend is a constructor argument, UCX by default (B-03). The agent is created
 with a thread-synchronisation mode (STRICT by default) because the push writer thread and
 the main thread (heartbeats) both call into it.
+
+The descriptor numbering is `layout.BlockLayout` (see there); the records handed out are
+in `handles`, the error type in `errors`; this module re-exports them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
+from kvhandoff.adapters.nixl.errors import NixlTransferError, describe
+from kvhandoff.adapters.nixl.handles import (
+    MemKind,
+    PreppedBlocks,
+    Registration,
+    ThreadSync,
+    XferHandle,
+    XferState,
+)
+from kvhandoff.adapters.nixl.layout import BlockLayout, BlockRegion, IndexList
 from kvhandoff.adapters.nixl.loader import load_nixl
-from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError
 
 if TYPE_CHECKING:
     import torch
@@ -54,162 +53,7 @@ __all__ = [
     "XferState",
 ]
 
-MemKind = Literal["DRAM", "VRAM"]
-XferState = Literal["DONE", "PROC", "ERR"]
-ThreadSync = Literal["NONE", "STRICT", "RW", "DEFAULT"]
-IndexList = Sequence[int] | npt.NDArray[np.integer[Any]]
-
 _LOCAL_SIDE = "NIXL_INIT_AGENT"
-
-
-class NixlTransferError(KvHandoffError):
-    """A NIXL call failed; `op` names the wrapper operation, `detail` what NIXL said."""
-
-    def __init__(self, op: str, detail: str) -> None:
-        self.op = op
-        self.detail = detail
-        super().__init__(f"NIXL {op} failed: {detail}")
-
-    @property
-    def peer_gone(self) -> bool:
-        """True when NIXL reported the remote agent disconnected (B-08: forget it)."""
-        return "RemoteDisconnect" in self.detail
-
-
-def _describe(exc: BaseException) -> str:
-    """Render a NIXL exception as `TypeName: message`."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class BlockRegion(NamedTuple):
-    """One registered region cut into `num_blocks` contiguous blocks of `block_len` bytes."""
-
-    base_addr: int
-    block_len: int
-    num_blocks: int
-
-
-class BlockLayout:
-    """Descriptor numbering of an ordered list of block regions (see the module docstring)."""
-
-    __slots__ = ("_num_blocks", "_offsets", "_selections", "num_descs", "regions")
-
-    def __init__(self, regions: Iterable[tuple[int, int, int]]) -> None:
-        parsed = tuple(BlockRegion(*region) for region in regions)
-        if not parsed:
-            raise LocalProtocolError("a block layout needs at least one region")
-        for idx, region in enumerate(parsed):
-            if region.base_addr < 0 or region.block_len <= 0 or region.num_blocks <= 0:
-                raise LocalProtocolError(f"region {idx} is empty or negative: {region}")
-        self.regions = parsed
-        counts = np.array([r.num_blocks for r in parsed], dtype=np.int64)
-        self._num_blocks = counts
-        self._offsets = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        self.num_descs = int(counts.sum())
-        # Per region selection (None: all regions): descriptor offsets as an int32 column and
-        # the smallest capacity among the selected regions. A transfer path asks for the
-        # same few selections on every WRITE, so they are validated and computed once.
-        self._selections: dict[tuple[int, ...] | None, tuple[npt.NDArray[np.int32], int]] = {}
-
-    def index(self, region: int, block: int) -> int:
-        """Descriptor index of block `block` of region `region`."""
-        if not 0 <= region < len(self.regions):
-            raise LocalProtocolError(f"region {region} out of range 0..{len(self.regions) - 1}")
-        if not 0 <= block < self.regions[region].num_blocks:
-            raise LocalProtocolError(
-                f"block {block} out of range for region {region} "
-                f"({self.regions[region].num_blocks} blocks)"
-            )
-        return int(self._offsets[region]) + block
-
-    def indices_for_blocks(
-        self, block_ids: IndexList, regions: Sequence[int] | None = None
-    ) -> npt.NDArray[np.int32]:
-        """Indices of the same `block_ids` in each region, region-major (all regions if None).
-
-        The result lists region `regions[0]`'s blocks first, in `block_ids` order, then the
-        next region's: the order two sides must agree on for a WRITE or READ.
-        """
-        offsets, capacity = self._selection(regions)
-        if isinstance(block_ids, list | tuple):
-            # Short Python lists are the common case: min/max on the list beat two numpy
-            # reductions, and the sum below stays in int32 once the range is checked.
-            low, high = (min(block_ids), max(block_ids)) if block_ids else (0, -1)
-            ids = np.array(block_ids, dtype=np.int64).reshape(-1)
-        else:
-            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-            low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, -1)
-        if ids.size and (low < 0 or high >= capacity):
-            raise LocalProtocolError("block id out of range for at least one region")
-        return (offsets + ids.astype(np.int32)).reshape(-1)
-
-    def _selection(self, regions: Sequence[int] | None) -> tuple[npt.NDArray[np.int32], int]:
-        key = regions if regions is None or isinstance(regions, tuple) else tuple(regions)
-        hit = self._selections.get(key)
-        if hit is not None:
-            return hit
-        picked = np.arange(len(self.regions)) if key is None else np.asarray(key, dtype=np.int64)
-        if picked.size and (picked.min() < 0 or picked.max() >= len(self.regions)):
-            raise LocalProtocolError(f"region index out of range in {list(picked)}")
-        capacity = int(self._num_blocks[picked].min()) if picked.size else 0
-        offsets = self._offsets[picked].astype(np.int32).reshape(-1, 1)
-        if len(self._selections) >= 64:  # a bound, for callers that vary the selection
-            self._selections.clear()
-        self._selections[key] = (offsets, capacity)
-        return offsets, capacity
-
-    def descriptor_rows(self, device_id: int = 0) -> npt.NDArray[np.uint64]:
-        """The N x 3 `(addr, len, device_id)` rows NIXL prepares, in descriptor order."""
-        rows = np.empty((self.num_descs, 3), dtype=np.uint64)
-        for region, offset in zip(self.regions, self._offsets, strict=True):
-            start = int(offset)
-            stop = start + region.num_blocks
-            steps = np.arange(region.num_blocks, dtype=np.uint64)
-            rows[start:stop, 0] = np.uint64(region.base_addr) + steps * np.uint64(region.block_len)
-            rows[start:stop, 1] = region.block_len
-            rows[start:stop, 2] = device_id
-        return rows
-
-
-@dataclass(eq=False, slots=True)
-class Registration:
-    """Memory registered with the agent; pass it to `NixlAgent.deregister`."""
-
-    addr: int
-    size: int
-    mem: MemKind
-    raw: Any = field(repr=False)
-    active: bool = True
-
-
-@dataclass(eq=False, slots=True)
-class PreppedBlocks:
-    """A descriptor list prepared once for a layout; `agent_name` is "" for the local side."""
-
-    agent_name: str
-    mem: MemKind
-    layout: BlockLayout
-    raw: Any = field(repr=False)
-    released: bool = False
-
-    @property
-    def is_local(self) -> bool:
-        """True for a list prepared with `prep_local_blocks`."""
-        return self.agent_name == ""
-
-
-@dataclass(eq=False, slots=True)
-class XferHandle:
-    """A posted WRITE or READ; `state` is the last state seen by `post` or `poll`."""
-
-    op: Literal["WRITE", "READ"]
-    remote: str
-    notif: bytes
-    raw: Any = field(repr=False)
-    state: XferState = "PROC"
-    released: bool = False
-    error: str | None = None
 
 
 class NixlAgent:
@@ -241,7 +85,7 @@ class NixlAgent:
             )
             self._agent: Any = mod.nixl_agent(name, config)
         except Exception as exc:
-            raise NixlTransferError("create_agent", _describe(exc)) from exc
+            raise NixlTransferError("create_agent", describe(exc)) from exc
         plugins = list(self._agent.get_plugin_list())
         if backend not in plugins:
             raise NixlTransferError(
@@ -250,7 +94,7 @@ class NixlAgent:
         try:
             self._agent.create_backend(backend, dict(backend_params or {}))
         except Exception as exc:
-            raise NixlTransferError("create_backend", f"{backend}: {_describe(exc)}") from exc
+            raise NixlTransferError("create_backend", f"{backend}: {describe(exc)}") from exc
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -321,7 +165,7 @@ class NixlAgent:
         try:
             raw = agent.register_memory([(addr, size, device_id, "")], mem)
         except Exception as exc:
-            raise NixlTransferError("register_memory", _describe(exc)) from exc
+            raise NixlTransferError("register_memory", describe(exc)) from exc
         reg = Registration(addr=addr, size=size, mem=mem, raw=raw)
         self._registrations.append(reg)
         return reg
@@ -337,7 +181,7 @@ class NixlAgent:
         try:
             agent.deregister_memory(reg.raw)
         except Exception as exc:
-            raise NixlTransferError("deregister_memory", _describe(exc)) from exc
+            raise NixlTransferError("deregister_memory", describe(exc)) from exc
 
     # -- metadata and remotes ----------------------------------------------------------
 
@@ -348,7 +192,7 @@ class NixlAgent:
         except LocalProtocolError:
             raise
         except Exception as exc:
-            raise NixlTransferError("metadata", _describe(exc)) from exc
+            raise NixlTransferError("metadata", describe(exc)) from exc
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns the peer's agent name."""
@@ -356,7 +200,7 @@ class NixlAgent:
         try:
             raw_name = agent.add_remote_agent(bytes(metadata))
         except Exception as exc:
-            raise NixlTransferError("add_remote", _describe(exc)) from exc
+            raise NixlTransferError("add_remote", describe(exc)) from exc
         name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
         self._remotes.add(name)
         return name
@@ -371,7 +215,7 @@ class NixlAgent:
         try:
             agent.remove_remote_agent(name)
         except Exception as exc:
-            raise NixlTransferError("remove_remote", f"{name}: {_describe(exc)}") from exc
+            raise NixlTransferError("remove_remote", f"{name}: {describe(exc)}") from exc
 
     @property
     def remotes(self) -> frozenset[str]:
@@ -404,7 +248,7 @@ class NixlAgent:
         try:
             raw = agent.prep_xfer_dlist(agent_name or _LOCAL_SIDE, layout.descriptor_rows(dev), mem)
         except Exception as exc:
-            raise NixlTransferError(op, f"{agent_name or 'local'}: {_describe(exc)}") from exc
+            raise NixlTransferError(op, f"{agent_name or 'local'}: {describe(exc)}") from exc
         prepped = PreppedBlocks(agent_name=agent_name, mem=mem, layout=layout, raw=raw)
         self._prepped.append(prepped)
         return prepped
@@ -423,7 +267,7 @@ class NixlAgent:
         try:
             prepped.raw.release()
         except Exception as exc:
-            raise NixlTransferError("release_blocks", _describe(exc)) from exc
+            raise NixlTransferError("release_blocks", describe(exc)) from exc
 
     # -- transfers ---------------------------------------------------------------------
 
@@ -480,36 +324,36 @@ class NixlAgent:
         try:
             raw = agent.make_prepped_xfer(op, local.raw, lidx, remote.raw, ridx, notif)
         except Exception as exc:
-            raise NixlTransferError(name, f"{remote.agent_name}: {_describe(exc)}") from exc
+            raise NixlTransferError(name, f"{remote.agent_name}: {describe(exc)}") from exc
         handle = XferHandle(op=op, remote=remote.agent_name, notif=notif, raw=raw)
         try:
-            state = agent.transfer(raw)
+            status = agent.transfer(raw)
         except Exception as exc:
             self._release_quietly(handle)
-            raise NixlTransferError(name, f"{remote.agent_name}: {_describe(exc)}") from exc
-        if state == "ERR":
+            raise NixlTransferError(name, f"{remote.agent_name}: {describe(exc)}") from exc
+        if status == "ERR":
             self._release_quietly(handle)
             raise NixlTransferError(name, f"{remote.agent_name}: post returned ERR")
-        handle.state = "DONE" if state == "DONE" else "PROC"
+        handle.xfer_status = "DONE" if status == "DONE" else "PROC"
         return handle
 
     def poll(self, handle: XferHandle) -> XferState:
-        """Current state of a transfer: "DONE", "PROC" or "ERR" (terminal states stick).
+        """Current status of a transfer: "DONE", "PROC" or "ERR" (terminal ones stick).
 
         A NIXL exception while checking (for instance a disconnected peer) counts as
         "ERR" rather than raising, so one poll loop sees every outcome in one place; its
         text is kept in `handle.error`.
         """
-        if handle.state != "PROC" or handle.released:
-            return handle.state
+        if handle.xfer_status != "PROC" or handle.released:
+            return handle.xfer_status
         agent = self._live()
         try:
-            state = agent.check_xfer_state(handle.raw)
+            status = agent.check_xfer_state(handle.raw)
         except Exception as exc:
-            state = "ERR"
-            handle.error = _describe(exc)
-        handle.state = "DONE" if state == "DONE" else "ERR" if state == "ERR" else "PROC"
-        return handle.state
+            status = "ERR"
+            handle.error = describe(exc)
+        handle.xfer_status = "DONE" if status == "DONE" else "ERR" if status == "ERR" else "PROC"
+        return handle.xfer_status
 
     def release(self, handle: XferHandle) -> None:
         """Free a transfer handle (NIXL tries to cancel one still in flight). Idempotent."""
@@ -519,12 +363,12 @@ class NixlAgent:
         try:
             handle.raw.release()
         except Exception as exc:
-            raise NixlTransferError("release", _describe(exc)) from exc
+            raise NixlTransferError("release", describe(exc)) from exc
         handle.released = True
 
     @staticmethod
     def _release_quietly(handle: XferHandle) -> None:
-        handle.state = "ERR"
+        handle.xfer_status = "ERR"
         try:
             handle.raw.release()
             handle.released = True
@@ -539,7 +383,7 @@ class NixlAgent:
         try:
             agent.send_notif(remote_name, bytes(msg))
         except Exception as exc:
-            raise NixlTransferError("send_notif", f"{remote_name}: {_describe(exc)}") from exc
+            raise NixlTransferError("send_notif", f"{remote_name}: {describe(exc)}") from exc
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """Notifications that arrived since the last call, as `(sender, message)` pairs.
@@ -551,7 +395,7 @@ class NixlAgent:
         try:
             by_sender = agent.get_new_notifs()
         except Exception as exc:
-            raise NixlTransferError("get_new_notifs", _describe(exc)) from exc
+            raise NixlTransferError("get_new_notifs", describe(exc)) from exc
         return [
             (sender if isinstance(sender, str) else bytes(sender).decode(), bytes(msg))
             for sender, msgs in by_sender.items()

@@ -151,19 +151,19 @@ class ECNixlReader:
         whether someone still waits for a READ; one nobody awaits is cancelled."""
         done, self._failed = self._failed, []
         for transfer_id, read in list(self._reads.items()):
-            state = self.agent.poll(read.handle)
-            if state == "PROC":
+            status = self.agent.poll(read.handle)
+            if status == "PROC":
                 if not awaited(read.mm_hash, transfer_id):
                     self.abandoned += 1  # its quarantine ended: cancel the DMA
                     self._drop(transfer_id)
                 continue
             error = read.handle.error or ""
             self._drop(transfer_id)
-            if state != "DONE":
+            if status != "DONE":
                 log.warning("READ of %s failed: %s", read.mm_hash, error or "ERR")
                 if "RemoteDisconnect" in error:
                     self._mark_stale(read.remote)
-            done.append((read.mm_hash, transfer_id, state == "DONE"))
+            done.append((read.mm_hash, transfer_id, status == "DONE"))
         return done
 
     def _drop(self, transfer_id: str) -> None:

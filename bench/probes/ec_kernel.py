@@ -12,7 +12,7 @@ that size (medians of `--reps`):
 - index_items: the same, one launch per encoding of 512 rows (what the engine does);
 - triton: a row-copy Triton kernel (one program per row), when Triton imports.
 
-Run on a GPU machine: `python3 bench/ec_kernel_probe.py [--json]`.
+Run on a GPU machine: `python3 -m kvhandoff.bench.probes.ec_kernel [--json]`.
 """
 
 from __future__ import annotations

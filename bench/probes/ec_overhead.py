@@ -18,12 +18,16 @@ This probe, run on a GPU machine from the repository root, prints and writes as 
    memory; one launch per 512-row encoding);
 5. cpu: the CPU row scatter / gather primitives on 64 MiB.
 
-An engine spec is `new:<method>[:upload][:first=<rows>]` (`adapters/ec_copy_cuda.py`;
+An engine spec is `new:<method>[:upload][:first=<rows>]` (`adapters/cuda/ec_copy.py`;
 `upload`: ids uploaded instead of read through the pinned buffer's mapping) or
 `old:<method>` (the `CudaCopyEngine` of the file given with `--old`, e.g. an earlier
-commit's `git show <commit>:adapters/ec_copy_cuda.py`; skipped without `--old`).
+commit's `git show <commit>:adapters/cuda/ec_copy.py`, a single file up to
+the split of that engine into modules; skipped without `--old`).
 
-`python3 bench/ec_overhead_probe.py --out probe.json [--old old.py] [--skip host,device,cpu]`
+Sections 3 to 5 are `ec_primitives`.
+
+`python3 -m kvhandoff.bench.probes.ec_overhead --out probe.json [--old old.py]
+[--skip host,device,cpu]`
 """
 
 from __future__ import annotations
@@ -36,17 +40,16 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from kvhandoff.adapters.cuda.ec_copy import CopyMethod, CudaCopyEngine
-from kvhandoff.adapters.cuda.runtime import CudaRuntime, DeviceArray
 from kvhandoff.adapters.shm.region import SharedRegion
-from kvhandoff.bench.ec import _measure, _Run, _Setup, config_for
+from kvhandoff.bench.ec_config import config_for
+from kvhandoff.bench.ec_measure import Run, Setup, measure
+from kvhandoff.bench.probes.ec_primitives import cpu_costs, device_costs, host_costs
 
 _cuda: Any = torch.cuda
 
@@ -58,34 +61,6 @@ def _clock() -> int:
         return -1
 
 
-def _us(fn: Callable[[], object], reps: int = 300, sync: bool = False) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        if sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1e6, 2)
-
-
-def _dev_us(fn: Callable[[], object], reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = _cuda.Event(enable_timing=True), _cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(float(start.elapsed_time(end)) * 1e3)
-    return round(statistics.median(times), 1)
-
-
 def _spin(seconds: float) -> None:
     """Keep the GPU busy (clocks up) for `seconds`."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -95,114 +70,6 @@ def _spin(seconds: float) -> None:
             a = a @ a
             a = a / a.abs().amax().clamp(min=1)
         torch.cuda.synchronize()
-
-
-def host_costs(region: torch.Tensor, bs: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    stream = _cuda.Stream()
-    caller = torch.cuda.current_stream()
-    ev = _cuda.Event()
-    out["current_stream"] = _us(lambda: torch.cuda.current_stream())
-    out["current_device"] = _us(lambda: torch.cuda.current_device())
-
-    def set_restore() -> None:
-        torch.cuda.set_stream(stream)
-        torch.cuda.set_stream(caller)
-
-    out["set_stream_and_back"] = _us(set_restore)
-
-    def ctx() -> None:
-        with torch.cuda.device(0), torch.cuda.stream(stream):
-            pass
-
-    out["device_and_stream_ctx"] = _us(ctx)
-    out["event_new_record"] = _us(lambda: _cuda.Event().record(stream))
-    out["event_record"] = _us(lambda: ev.record(stream))
-    out["event_query"] = _us(lambda: ev.query())
-
-    def wait() -> None:
-        ev.record(caller)
-        stream.wait_event(ev)
-
-    out["record_and_wait_event"] = _us(wait)
-    out["wait_stream"] = _us(lambda: stream.wait_stream(caller))
-    out["pinned_empty_1024"] = _us(lambda: torch.empty(1024, dtype=torch.int64, pin_memory=True))
-    host = torch.empty(1024, dtype=torch.int64, pin_memory=True)
-    dev = torch.empty(1024, dtype=torch.int64, device="cuda")
-    out["to_device_nonblocking_1024"] = _us(lambda: host.to("cuda", non_blocking=True))
-    out["copy_nonblocking_1024"] = _us(lambda: dev.copy_(host, non_blocking=True))
-    rt = CudaRuntime.find()
-    if rt is not None:
-        handle = stream.cuda_stream
-        hp, dp = host.data_ptr(), dev.data_ptr()
-        out["raw_memcpy_8KiB"] = _us(lambda: rt.memcpy(dp, hp, 8192, handle))
-    gen = np.random.default_rng(0)
-    blocks = tuple(int(b) for b in gen.permutation(region.numel() // bs)[:512])
-    ids = host.numpy()
-
-    def fill() -> None:
-        ids[0:512] = blocks
-        ids[512:1024] = blocks
-
-    out["ids_fill_2x512"] = _us(fill)
-    out["ids_fromiter_512"] = _us(lambda: np.fromiter(blocks, np.int64, 512))
-    out["ids_max_check_1024"] = _us(lambda: int(ids.view(np.uint64).max()))
-    out["ids_diff_breaks_1024"] = _us(lambda: np.flatnonzero(np.diff(ids) != 1))
-    mapped = torch.as_tensor(DeviceArray(region.data_ptr(), region.numel()), device="cuda")
-    rows = mapped[: (region.numel() // bs) * bs].view(-1, bs).view(torch.complex128)
-    src = torch.empty((512, bs), dtype=torch.uint8, device="cuda").view(torch.complex128)
-    index = dev[:512].copy_(torch.from_numpy(ids[:512].copy()))
-    out["index_copy_launch_512"] = _us(lambda: rows.index_copy_(0, index, src), 100, sync=True)
-    out["index_select_launch_512"] = _us(
-        lambda: torch.index_select(rows, 0, index, out=src), 100, sync=True
-    )
-    out["view_dtype"] = _us(lambda: src.view(torch.complex128))
-    return out
-
-
-def device_costs(region: torch.Tensor, bs: int, n: int) -> dict[str, float]:
-    """CUDA-event µs of the primitives on `n` scattered rows (region already registered)."""
-    blocks = region.numel() // bs
-    host_rows = region[: blocks * bs].view(blocks, bs)
-    mapped = torch.as_tensor(DeviceArray(region.data_ptr(), blocks * bs), device="cuda")
-    rows = mapped.view(blocks, bs).view(torch.complex128)
-    dev = torch.randint(0, 256, (n, bs), dtype=torch.uint8, device="cuda")
-    dev_w = dev.view(torch.complex128)
-    perm = torch.randperm(blocks)[:n]
-    index = perm.cuda()
-    pinned_ids = perm.clone().pin_memory()
-    index_mapped = torch.as_tensor(DeviceArray(pinned_ids.data_ptr(), n * 8), device="cuda").view(
-        torch.int64
-    )
-    flat = host_rows[:n].view(-1)
-    out: dict[str, float] = {}
-    out["dma_save"] = _dev_us(lambda: flat.copy_(dev.view(-1), non_blocking=True))
-    out["dma_load"] = _dev_us(lambda: dev.view(-1).copy_(flat, non_blocking=True))
-
-    def gather(idx: torch.Tensor) -> None:
-        torch.index_select(rows, 0, idx, out=dev_w)
-
-    def scatter(idx: torch.Tensor) -> None:
-        rows.index_copy_(0, idx, dev_w)
-
-    out["index_save"] = _dev_us(lambda: scatter(index))
-    out["index_load"] = _dev_us(lambda: gather(index))
-    out["index_mapped_ids_save"] = _dev_us(lambda: scatter(index_mapped))
-    out["index_mapped_ids_load"] = _dev_us(lambda: gather(index_mapped))
-
-    def per_item(save: bool) -> None:
-        for i in range(0, n, 512):
-            part, idx = dev_w[i : i + 512], index[i : i + 512]
-            if save:
-                rows.index_copy_(0, idx, part)
-            else:
-                torch.index_select(rows, 0, idx, out=part)
-
-    out["index_per512_save"] = _dev_us(lambda: per_item(True))
-    out["index_per512_load"] = _dev_us(lambda: per_item(False))
-    staging = torch.empty_like(dev_w)
-    out["stage_d2d_8MiB_equiv"] = _dev_us(lambda: staging.copy_(dev_w))
-    return out
 
 
 def _engine(spec: str, setup: Any, old: Any) -> Any:
@@ -231,7 +98,7 @@ def timeline(specs: list[str], n: int, old: Any, reps: int) -> dict[str, Any]:
     region = SharedRegion.create(name, 2 * n * config.block_size_bytes)
     out: dict[str, Any] = {}
     try:
-        setup = _Setup(config, region)
+        setup = Setup(config, region)
         for spec in specs:
             engine = _engine(spec, setup, old)
             if engine is None:
@@ -303,8 +170,8 @@ def e2e(
         name = f"kvhandoff_ec_probe_{secrets.token_hex(4)}.mmap"
         region = SharedRegion.create(name, 2 * n * config.block_size_bytes)
         try:
-            setup = _Setup(config, region)
-            run = _Run(setup)
+            setup = Setup(config, region)
+            run = Run(setup)
             for spec in engines:
                 for warm in (0.0, warm_s) if spec == engines[0] and warm_s else (0.0,):
                     if warm:
@@ -315,7 +182,7 @@ def e2e(
                         continue
                     try:
                         label = f"{spec}@{n}" + (f" after {warm}s spin" if warm else "")
-                        res = _measure(
+                        res = measure(
                             run,
                             engine,
                             ("scattered", "contiguous"),
@@ -339,35 +206,6 @@ def e2e(
             with contextlib.suppress(Exception):
                 region.close()
     return results
-
-
-def cpu_costs() -> dict[str, float]:
-    bs, n = 8192, 8192
-    region = torch.zeros(2 * n * bs, dtype=torch.uint8).view(2 * n, bs)
-    data = torch.randint(0, 256, (n, bs), dtype=torch.uint8)
-    ids = np.random.default_rng(1).permutation(2 * n)[:n].astype(np.int64)
-    idx = torch.from_numpy(ids)
-    r64, d64 = region.view(torch.int64), data.view(torch.int64)
-    rn, dn = region.numpy(), data.numpy()
-
-    def gbps(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return round(n * bs / statistics.median(times) / 1e9, 2)
-
-    return {
-        "threads": torch.get_num_threads(),
-        "memcpy": gbps(lambda: region[:n].copy_(data)),
-        "save_index_copy_u8": gbps(lambda: region.index_copy_(0, idx, data)),
-        "save_index_copy_i64": gbps(lambda: r64.index_copy_(0, idx, d64)),
-        "save_numpy_assign": gbps(lambda: rn.__setitem__(ids, dn)),
-        "load_index_select_u8": gbps(lambda: torch.index_select(region, 0, idx, out=data)),
-        "load_index_select_i64": gbps(lambda: torch.index_select(r64, 0, idx, out=d64)),
-    }
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 
 `EmbeddingCache` registers the `ec.cache_entry` machine on a bus and executes the
 bookkeeping effects of its entries (`ReleaseBlocks`, `MarkEvictable`). It never changes
-an entry's state itself: it reserves blocks and creates entries, and delivers events.
+an entry's state itself: it reserves blocks and creates entries, and delivers events at
+the time its caller gives.
 
 When blocks are needed and too few are free, `reserve` evicts ready and unpinned entries
 oldest first (insertion order), and only when that frees enough: it never evicts for a
@@ -11,25 +12,25 @@ reservation that would fail anyway.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
 
 from kvhandoff.machines.ec.cache_entry import (
     EC_CACHE_ENTRY,
-    ENTRY_KIND,
+    EntryCtx,
     MarkEvictable,
     ReleaseBlocks,
 )
+from kvhandoff.machines.ec.events import Evict
 from kvhandoff.machines.ec.pool import BlockPool, FifoEvictionOrder
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.events import Event
 
-__all__ = ["EmbeddingCache", "EvictionObserver"]
+__all__ = ["EmbeddingCache", "Entry", "EvictionObserver"]
 
-EvictionObserver = Callable[[str, list[Any]], None]
+Entry = Instance[EntryCtx]
+EvictionObserver = Callable[[str, list[Hashable]], None]
 """`observer(victim, evictable_oldest_first)`, called before each eviction (tests)."""
-
-LOADABLE_STATES = frozenset({"ready", "pinned"})
 
 
 class EmbeddingCache:
@@ -53,33 +54,40 @@ class EmbeddingCache:
 
     # -- reading -------------------------------------------------------------------------
 
-    def entry(self, mm_hash: str) -> Instance | None:
+    def entry(self, mm_hash: str) -> Entry | None:
         """The live entry of `mm_hash`, if any."""
-        return self.bus.get(ENTRY_KIND, mm_hash)
+        return self.bus.get(EC_CACHE_ENTRY, mm_hash)
 
     def state(self, mm_hash: str) -> str | None:
-        """`allocated`, `ready`, `pinned`, or None when the tier does not hold it."""
-        inst = self.bus.get(ENTRY_KIND, mm_hash)
+        """The entry's state name (`allocated`, `ready`, `pinned`; for logs and tests), or
+        None when the tier does not hold it. Decisions ask `has`."""
+        inst = self.bus.get(EC_CACHE_ENTRY, mm_hash)
         return None if inst is None else inst.state
+
+    def has(self, mm_hash: str, tag: str) -> bool:
+        """Whether the entry of `mm_hash` is live and its state carries `tag`."""
+        return self.bus.has_tag(EC_CACHE_ENTRY, mm_hash, tag)
 
     def is_loadable(self, mm_hash: str) -> bool:
         """True when the bytes are in the tier (ready or pinned)."""
-        return self.state(mm_hash) in LOADABLE_STATES
+        return self.bus.has_tag(EC_CACHE_ENTRY, mm_hash, "loadable")
 
-    def entries(self) -> list[Instance]:
-        return list(self.bus.instances(ENTRY_KIND))
+    def entries(self) -> list[Entry]:
+        return self.bus.instances(EC_CACHE_ENTRY)
 
     # -- reserving -----------------------------------------------------------------------
 
     def reserve(
-        self, mm_hash: str, num_blocks: int, size_bytes: int, origin: str
-    ) -> Instance | None:
+        self, mm_hash: str, num_blocks: int, size_bytes: int, origin: str, now: float
+    ) -> Entry | None:
         """A new `allocated` entry of `num_blocks` blocks, evicting FIFO if needed.
 
         None (and nothing evicted) when the tier cannot make room, or when `mm_hash`
         already has an entry.
         """
-        if self.bus.get(ENTRY_KIND, mm_hash) is not None:
+        bus = self.bus
+        bus.fire_due(now)
+        if bus.get(EC_CACHE_ENTRY, mm_hash) is not None:
             return None
         if num_blocks > self.pool.free_count + self.order.evictable_weight:
             return None
@@ -89,36 +97,35 @@ class EmbeddingCache:
             if self.observer is not None:
                 self.observer(str(victim), self.order.evictable())
             self.evictions += 1
-            self.bus.dispatch(ENTRY_KIND, victim, "evict")
+            bus.dispatch(EC_CACHE_ENTRY, victim, Evict(), now)
         blocks = self.pool.allocate(mm_hash, num_blocks)
         assert blocks is not None
         self.order.add(mm_hash, num_blocks)
-        return self.bus.create(
-            ENTRY_KIND, mm_hash, blocks=blocks, size_bytes=size_bytes, origin=origin
-        )
+        ctx = EntryCtx(mm_hash, blocks=blocks, size_bytes=size_bytes, origin=origin)
+        return bus.create(EC_CACHE_ENTRY, ctx, now)
 
     # -- delivering ----------------------------------------------------------------------
 
-    def deliver(self, mm_hash: str, event: str, payload: Any = None) -> None:
+    def deliver(self, mm_hash: str, event: Event, now: float) -> None:
         """Deliver `event` to the entry of `mm_hash` (`LocalProtocolError` if illegal)."""
-        self.bus.dispatch(ENTRY_KIND, mm_hash, event, payload)
+        self.bus.dispatch(EC_CACHE_ENTRY, mm_hash, event, now)
 
     # -- effects of the entries ---------------------------------------------------------
 
-    def _release(self, inst: Instance, effect: ReleaseBlocks) -> None:
+    def _release(self, inst: Entry | None, effect: ReleaseBlocks) -> None:
         self.pool.free(effect.mm_hash)
         self.order.remove(effect.mm_hash)
 
-    def _mark(self, inst: Instance, effect: MarkEvictable) -> None:
+    def _mark(self, inst: Entry | None, effect: MarkEvictable) -> None:
         self.order.set_evictable(effect.mm_hash, effect.evictable)
 
     def check(self) -> None:
         """Raise unless the pool, the eviction order and the entries agree (tests)."""
         self.pool.check()
-        live = {inst.key: inst for inst in self.bus.instances(ENTRY_KIND)}
+        live = {inst.key: inst for inst in self.bus.instances(EC_CACHE_ENTRY)}
         assert set(self.pool.owners()) == set(live), "pool owners differ from live entries"
         assert len(self.order) == len(live), "eviction order differs from live entries"
         for key, inst in live.items():
             assert self.pool.blocks_of(key) == inst.ctx.blocks, f"{key}: blocks differ"
-        evictable = {k for k, inst in live.items() if inst.state == "ready"}
+        evictable = {inst.key for inst in self.bus.tagged(EC_CACHE_ENTRY, "evictable")}
         assert set(self.order.evictable()) == evictable, "evictable set differs from ready"

@@ -9,8 +9,8 @@ a P2P NIXL READ. Its bytes are not there yet, so it is neither loadable nor serv
 - `pin` (a load into the GPU encoder cache, a producer grant, or a request holding it until
   its load is scheduled): `ready -> pinned`; further pins count up in `pins`. A pinned
   entry is never evicted.
-- `unpin`: counts down; the last one takes `pinned -> ready`. Its payload is True when the
-  unpin reports a peer's completed READ (the encoding was consumed).
+- `unpin`: counts down; the last one takes `pinned -> ready`. `Unpin(consumed=True)`
+  reports a peer's completed READ (the encoding was consumed).
 - `evict` (FIFO, when space is needed): `ready -> evicted`, blocks freed.
 - `discard` (the save was abandoned or failed, the READ failed or its quarantine ended):
   `allocated -> evicted`, blocks freed.
@@ -24,31 +24,34 @@ emits `EncodingEvicted(mm_hash, reason)`, an effect an orchestrator subscribes t
 The entry does not own the pool: it asks for its blocks to be released (`ReleaseBlocks`)
 and tells the eviction order when it becomes evictable or not (`MarkEvictable`); the
 `EmbeddingCache` executes those effects.
+
+Tags: `awaiting_bytes` (allocated: a save or READ destination), `loadable` (ready or
+pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from kvhandoff.machines.ec.events import Discard, Evict, Pin, Publish, Saved, Unpin
 from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.effects import Effect
 
 __all__ = [
     "EC_CACHE_ENTRY",
-    "ENTRY_KIND",
     "EncodingEvicted",
     "EntryCtx",
     "MarkEvictable",
     "ReleaseBlocks",
 ]
 
-ENTRY_KIND = "ec.cache_entry"
-
 
 @dataclass(slots=True)
 class EntryCtx:
     """What an entry remembers besides its state."""
 
+    key: str
+    """The entry's `mm_hash`."""
     blocks: tuple[int, ...] = ()
     """Indices of its blocks in the region, in encoding order."""
     size_bytes: int = 0
@@ -61,7 +64,7 @@ class EntryCtx:
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseBlocks:
+class ReleaseBlocks(Effect):
     """Return the entry's blocks to the pool and forget it in the eviction order."""
 
     mm_hash: str
@@ -69,7 +72,7 @@ class ReleaseBlocks:
 
 
 @dataclass(frozen=True, slots=True)
-class MarkEvictable:
+class MarkEvictable(Effect):
     """The entry became evictable (`evictable=True`: ready and unpinned) or stopped being."""
 
     mm_hash: str
@@ -77,7 +80,7 @@ class MarkEvictable:
 
 
 @dataclass(frozen=True, slots=True)
-class EncodingEvicted:
+class EncodingEvicted(Effect):
     """B-01: a published encoding left the tier before any peer consumed it.
 
     `reason` is `"evicted"` (FIFO eviction) or `"discarded"` (its save or READ was lost).
@@ -87,56 +90,56 @@ class EncodingEvicted:
     reason: str
 
 
-def _last_pin(inst: Any, payload: Any) -> bool:
-    return bool(inst.ctx.pins <= 1)
+def _last_pin(ctx: EntryCtx, event: Unpin) -> bool:
+    return ctx.pins <= 1
 
 
-def _became_ready(inst: Any, payload: Any) -> list[object]:
-    return [MarkEvictable(inst.key, True)]
+def _became_ready(ctx: EntryCtx, event: Saved) -> list[Effect]:
+    return [MarkEvictable(ctx.key, True)]
 
 
-def _first_pin(inst: Any, payload: Any) -> list[object]:
-    inst.ctx.pins = 1
-    return [MarkEvictable(inst.key, False)]
+def _first_pin(ctx: EntryCtx, event: Pin) -> list[Effect]:
+    ctx.pins = 1
+    return [MarkEvictable(ctx.key, False)]
 
 
-def _add_pin(inst: Any, payload: Any) -> None:
-    inst.ctx.pins += 1
+def _add_pin(ctx: EntryCtx, event: Pin) -> None:
+    ctx.pins += 1
 
 
-def _drop_pin(inst: Any, payload: Any) -> None:
-    inst.ctx.pins -= 1
-    if payload:
-        inst.ctx.consumed = True
+def _drop_pin(ctx: EntryCtx, event: Unpin) -> None:
+    ctx.pins -= 1
+    if event.consumed:
+        ctx.consumed = True
 
 
-def _last_unpin(inst: Any, payload: Any) -> list[object]:
-    _drop_pin(inst, payload)
-    return [MarkEvictable(inst.key, True)]
+def _last_unpin(ctx: EntryCtx, event: Unpin) -> list[Effect]:
+    _drop_pin(ctx, event)
+    return [MarkEvictable(ctx.key, True)]
 
 
-def _publish(inst: Any, payload: Any) -> None:
-    inst.ctx.published = True
+def _publish(ctx: EntryCtx, event: Publish) -> None:
+    ctx.published = True
 
 
-def _released(inst: Any, reason: str) -> list[object]:
-    ctx = inst.ctx
-    effects: list[object] = [ReleaseBlocks(inst.key, ctx.blocks)]
+def _released(ctx: EntryCtx, reason: str) -> list[Effect]:
+    effects: list[Effect] = [ReleaseBlocks(ctx.key, ctx.blocks)]
     if ctx.published and not ctx.consumed:
-        effects.append(EncodingEvicted(inst.key, reason))
+        effects.append(EncodingEvicted(ctx.key, reason))
     return effects
 
 
-def _evicted(inst: Any, payload: Any) -> list[object]:
-    return _released(inst, "evicted")
+def _evicted(ctx: EntryCtx, event: Evict) -> list[Effect]:
+    return _released(ctx, "evicted")
 
 
-def _discarded(inst: Any, payload: Any) -> list[object]:
-    return _released(inst, "discarded")
+def _discarded(ctx: EntryCtx, event: Discard) -> list[Effect]:
+    return _released(ctx, "discarded")
 
 
-EC_CACHE_ENTRY = Declaration(
-    name=ENTRY_KIND,
+EC_CACHE_ENTRY: Declaration[EntryCtx] = Declaration(
+    name="ec.cache_entry",
+    context=EntryCtx,
     description=(
         "Embedding-cache entry keyed by mm_hash (R-E04): allocated (bytes not there yet) "
         "-> ready -> pinned (counted) -> ready -> evicted, FIFO among ready and unpinned "
@@ -144,28 +147,31 @@ EC_CACHE_ENTRY = Declaration(
         "EncodingEvicted (B-01)."
     ),
     states=[
-        "allocated",
-        "ready",
-        "pinned",
+        # Its bytes are not there yet: a save or a READ is filling it.
+        {"name": "allocated", "tags": ("awaiting_bytes",)},
+        # Its bytes are there and nobody holds it: FIFO may evict it.
+        {"name": "ready", "tags": ("loadable", "evictable")},
+        # Its bytes are there and someone holds it: never evicted.
+        {"name": "pinned", "tags": ("loadable",)},
         {"name": "evicted", "final": True},
     ],
     initial="allocated",
     transitions=[
-        {"trigger": "saved", "source": "allocated", "dest": "ready", "after": "became_ready"},
-        {"trigger": "discard", "source": "allocated", "dest": "evicted", "after": "discarded"},
-        {"trigger": "pin", "source": "ready", "dest": "pinned", "after": "first_pin"},
-        {"trigger": "pin", "source": "pinned", "dest": None, "after": "add_pin"},
+        {"trigger": Saved, "source": "allocated", "dest": "ready", "after": "became_ready"},
+        {"trigger": Discard, "source": "allocated", "dest": "evicted", "after": "discarded"},
+        {"trigger": Pin, "source": "ready", "dest": "pinned", "after": "first_pin"},
+        {"trigger": Pin, "source": "pinned", "dest": None, "after": "add_pin"},
         {
-            "trigger": "unpin",
+            "trigger": Unpin,
             "source": "pinned",
             "dest": "ready",
             "conditions": "last_pin",
             "after": "last_unpin",
         },
-        {"trigger": "unpin", "source": "pinned", "dest": None, "after": "drop_pin"},
-        {"trigger": "evict", "source": "ready", "dest": "evicted", "after": "evicted"},
+        {"trigger": Unpin, "source": "pinned", "dest": None, "after": "drop_pin"},
+        {"trigger": Evict, "source": "ready", "dest": "evicted", "after": "evicted"},
         {
-            "trigger": "publish",
+            "trigger": Publish,
             "source": ["allocated", "ready", "pinned"],
             "dest": None,
             "after": "publish",
@@ -182,5 +188,4 @@ EC_CACHE_ENTRY = Declaration(
         "evicted": _evicted,
         "discarded": _discarded,
     },
-    context=EntryCtx,
 )

@@ -15,7 +15,8 @@ blocks for it (an `allocated` `ec.cache_entry` of origin `"read"`).
   no failure is recorded and the destination blocks stay reserved (B-04: the seed
   released them and reallocated next step, evicting a ready entry per step). The next
   scheduler step `send`s again. Beyond the seed, `consumer_max_not_ready_retries`
-  (machine config) bounds the retries; the last NACK_NOT_READY then falls back.
+  (machine config, copied into each read's `max_not_ready`) bounds the retries; the last
+  NACK_NOT_READY then falls back.
 - any other NACK, `ack_timeout` (after `consumer_ack_timeout_s`, 2 s), or
   `peer_disconnected` before the READ: `-> fallback_local`; the destination is discarded
   and every waiting request encodes locally (`FallBackLocal`).
@@ -29,16 +30,24 @@ blocks for it (an `allocated` `ec.cache_entry` of origin `"read"`).
 
 No state waits on anything but a declared timeout or the next scheduler step, so P2P
 failure never blocks a request indefinitely.
+
+The acks, READ completions and disconnects are peer events: one that a state does not
+declare is a `RemoteProtocolError` that changes nothing. Tags: `in_flight` (requests wait
+for the read), `awaiting_ack` (an ack of the current attempt is expected),
+`retry_pending` (the next step sends again), `read_posted` (a READ may still complete),
+`read_awaited` (a READ is posted and still wanted), `timed_wait` (the state waits on a
+declared timeout); on the final states: `landed`, `fell_back`, `quarantine_ended`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.events import Discard, PeerDisconnected, Saved
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
-from kvhandoff.machines.runtime.effects import Emit, Metric
+from kvhandoff.machines.runtime.effects import Effect, Emit, Metric
+from kvhandoff.machines.runtime.events import Event, PeerEvent
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
     DEFAULT_NIXL_READ_TIMEOUT_S,
@@ -48,28 +57,32 @@ from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus, is_re
 from kvhandoff.protocol.ec_wire import XferAck, XferDone, XferReq
 
 __all__ = [
-    "CONSUMER_READ_KIND",
     "DEFAULT_MAX_NOT_READY_RETRIES",
     "EC_CONSUMER_READ",
-    "IN_FLIGHT_STATES",
+    "Ack",
+    "AckTimeout",
     "FallBackLocal",
     "IssueRead",
+    "QuarantineOver",
     "ReadCtx",
+    "ReadDone",
+    "ReadFailed",
+    "ReadTimeout",
     "RetryNextStep",
+    "Send",
     "SendXferDone",
     "SendXferReq",
 ]
 
-CONSUMER_READ_KIND = "ec.consumer_read"
 DEFAULT_MAX_NOT_READY_RETRIES = 1000.0
-IN_FLIGHT_STATES = frozenset({"needed", "xfer_req_sent", "retry_next_step", "reading"})
-"""States in which requests wait for the read."""
 
 
 @dataclass(slots=True)
 class ReadCtx:
     """Where to read from, where to read into, and who is asking."""
 
+    key: str
+    """The `mm_hash` read."""
     peer_host: str = ""
     peer_port: int = 0
     size_bytes: int = 0
@@ -78,18 +91,20 @@ class ReadCtx:
     engine_id: str = ""
     agent_name: str = ""
     id_prefix: str = ""
+    max_not_ready: float = DEFAULT_MAX_NOT_READY_RETRIES
+    """How many NACK_NOT_READY answers are retried (`consumer_max_not_ready_retries`)."""
     attempt: int = 0
     not_ready: int = 0
     transfer_id: str = ""
     grant: XferAck | None = None
     reason: str = ""
 
-    def request(self, mm_hash: str) -> XferReq:
+    def request(self) -> XferReq:
         """The `XferReq` of the current attempt."""
         return XferReq(
             version=EC_CONNECTOR_VERSION,
             transfer_id=self.transfer_id,
-            mm_hash=mm_hash,
+            mm_hash=self.key,
             compat_hash=self.compat_hash,
             consumer_engine_id=self.engine_id,
             consumer_agent_name=self.agent_name,
@@ -98,8 +113,51 @@ class ReadCtx:
         )
 
 
+# -- events ----------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
-class SendXferReq:
+class Send(Event):
+    """Ask the producer (again): a fresh attempt with a fresh `transfer_id`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(PeerEvent):
+    """The producer's answer to the current attempt (already checked against it)."""
+
+    ack: XferAck
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone(PeerEvent):
+    """NIXL: the READ of the current attempt completed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFailed(PeerEvent):
+    """NIXL: the READ of the current attempt failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class AckTimeout(Event):
+    """No ack within `consumer_ack_timeout_s`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTimeout(Event):
+    """The READ did not complete within `nixl_read_timeout_s`."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineOver(Event):
+    """`read_quarantine_s` passed: no DMA can land in the destination any more."""
+
+
+# -- effects ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendXferReq(Effect):
     """ZMQ adapter: send `req` on the DEALER of producer `peer_host:peer_port`; report
     `on_xfer_ack` for its answer and `on_peer_disconnected` if the peer goes away."""
 
@@ -109,10 +167,10 @@ class SendXferReq:
 
 
 @dataclass(frozen=True, slots=True)
-class IssueRead:
+class IssueRead(Effect):
     """NIXL adapter: load `producer_agent_metadata` if this agent is new or changed, READ
     `src_blocks` of the producer's region into `dst_blocks` of ours, then report
-    `on_read_done(mm_hash, transfer_id)` or `on_read_failed(mm_hash, transfer_id)`."""
+    `on_read_done(mm_hash, transfer_id, now)` or `on_read_failed(...)`."""
 
     mm_hash: str
     transfer_id: str
@@ -128,7 +186,7 @@ class IssueRead:
 
 
 @dataclass(frozen=True, slots=True)
-class SendXferDone:
+class SendXferDone(Effect):
     """ZMQ adapter: tell the producer a grant is finished with (`done.ok`)."""
 
     peer_host: str
@@ -137,7 +195,7 @@ class SendXferDone:
 
 
 @dataclass(frozen=True, slots=True)
-class FallBackLocal:
+class FallBackLocal(Effect):
     """The scheduler itself: requests waiting for `mm_hash` encode it locally."""
 
     mm_hash: str
@@ -145,7 +203,7 @@ class FallBackLocal:
 
 
 @dataclass(frozen=True, slots=True)
-class RetryNextStep:
+class RetryNextStep(Effect):
     """The scheduler itself: `send` again at the next scheduler step."""
 
     mm_hash: str
@@ -154,31 +212,28 @@ class RetryNextStep:
 # -- guards --------------------------------------------------------------------------
 
 
-def _granted(inst: Any, ack: XferAck) -> bool:
-    return ack.status is XferStatus.OK
+def _granted(ctx: ReadCtx, event: Ack) -> bool:
+    return event.ack.status is XferStatus.OK
 
 
-def _may_retry(inst: Any, ack: XferAck) -> bool:
-    limit = inst.machine.config["consumer_max_not_ready_retries"]
-    return is_retryable(ack.status) and inst.ctx.not_ready < limit
+def _may_retry(ctx: ReadCtx, event: Ack) -> bool:
+    return is_retryable(event.ack.status) and ctx.not_ready < ctx.max_not_ready
 
 
 # -- actions -------------------------------------------------------------------------
 
 
-def _send(inst: Any, payload: Any) -> list[object]:
-    ctx = inst.ctx
+def _send(ctx: ReadCtx, event: Send) -> list[Effect]:
     ctx.attempt += 1
     ctx.transfer_id = f"{ctx.id_prefix}{ctx.attempt}"
-    return [SendXferReq(ctx.peer_host, ctx.peer_port, ctx.request(inst.key))]
+    return [SendXferReq(ctx.peer_host, ctx.peer_port, ctx.request())]
 
 
-def _start_read(inst: Any, ack: XferAck) -> list[object]:
-    ctx = inst.ctx
-    ctx.grant = ack
+def _start_read(ctx: ReadCtx, event: Ack) -> list[Effect]:
+    ack = ctx.grant = event.ack
     return [
         IssueRead(
-            mm_hash=inst.key,
+            mm_hash=ctx.key,
             transfer_id=ctx.transfer_id,
             peer_host=ctx.peer_host,
             peer_port=ctx.peer_port,
@@ -193,65 +248,70 @@ def _start_read(inst: Any, ack: XferAck) -> list[object]:
     ]
 
 
-def _retry(inst: Any, ack: XferAck) -> list[object]:
-    inst.ctx.not_ready += 1
-    return [RetryNextStep(inst.key), Metric("ec.consumer.not_ready")]
+def _retry(ctx: ReadCtx, event: Ack) -> list[Effect]:
+    ctx.not_ready += 1
+    return [RetryNextStep(ctx.key), Metric("ec.consumer.not_ready")]
 
 
-def _done_msg(inst: Any, ok: bool) -> SendXferDone:
-    ctx = inst.ctx
+def _done_msg(ctx: ReadCtx, ok: bool) -> SendXferDone:
     done = XferDone(
-        version=EC_CONNECTOR_VERSION, transfer_id=ctx.transfer_id, mm_hash=inst.key, ok=ok
+        version=EC_CONNECTOR_VERSION, transfer_id=ctx.transfer_id, mm_hash=ctx.key, ok=ok
     )
     return SendXferDone(ctx.peer_host, ctx.peer_port, done)
 
 
-def _fall_back(inst: Any, reason: str, *, keep_blocks: bool = False) -> list[object]:
-    inst.ctx.reason = reason
-    effects: list[object] = [FallBackLocal(inst.key, reason), Metric(f"ec.consumer.{reason}")]
+def _fall_back(ctx: ReadCtx, reason: str, *, keep_blocks: bool = False) -> list[Effect]:
+    ctx.reason = reason
+    effects: list[Effect] = [FallBackLocal(ctx.key, reason), Metric(f"ec.consumer.{reason}")]
     if not keep_blocks:
-        effects.insert(0, Emit(ENTRY_KIND, inst.key, "discard"))
+        effects.insert(0, Emit(EC_CACHE_ENTRY, ctx.key, Discard()))
     return effects
 
 
-def _nacked(inst: Any, ack: XferAck) -> list[object]:
-    return _fall_back(inst, str(ack.status))
+def _nacked(ctx: ReadCtx, event: Ack) -> list[Effect]:
+    return _fall_back(ctx, str(event.ack.status))
 
 
-def _ack_timed_out(inst: Any, payload: Any) -> list[object]:
-    return _fall_back(inst, "ack_timeout")
+def _ack_timed_out(ctx: ReadCtx, event: AckTimeout) -> list[Effect]:
+    return _fall_back(ctx, "ack_timeout")
 
 
-def _disconnected(inst: Any, payload: Any) -> list[object]:
-    return _fall_back(inst, "peer_disconnected")
+def _disconnected(ctx: ReadCtx, event: PeerDisconnected) -> list[Effect]:
+    return _fall_back(ctx, "peer_disconnected")
 
 
-def _read_done(inst: Any, payload: Any) -> list[object]:
-    return [Emit(ENTRY_KIND, inst.key, "saved"), _done_msg(inst, True), Metric("ec.consumer.read")]
+def _read_done(ctx: ReadCtx, event: ReadDone) -> list[Effect]:
+    return [
+        Emit(EC_CACHE_ENTRY, ctx.key, Saved()),
+        _done_msg(ctx, True),
+        Metric("ec.consumer.read"),
+    ]
 
 
-def _read_failed(inst: Any, payload: Any) -> list[object]:
-    return [_done_msg(inst, False), *_fall_back(inst, "read_failed")]
+def _read_failed(ctx: ReadCtx, event: ReadFailed) -> list[Effect]:
+    return [_done_msg(ctx, False), *_fall_back(ctx, "read_failed")]
 
 
-def _quarantine(inst: Any, reason: str) -> list[object]:
-    return [_done_msg(inst, False), *_fall_back(inst, reason, keep_blocks=True)]
+def quarantine(ctx: ReadCtx, reason: str) -> list[Effect]:
+    """The READ may still land: fall back, but keep the destination reserved."""
+    return [_done_msg(ctx, False), *_fall_back(ctx, reason, keep_blocks=True)]
 
 
-def _read_timed_out(inst: Any, payload: Any) -> list[object]:
-    return _quarantine(inst, "read_timeout")
+def _read_timed_out(ctx: ReadCtx, event: ReadTimeout) -> list[Effect]:
+    return quarantine(ctx, "read_timeout")
 
 
-def _disconnected_reading(inst: Any, payload: Any) -> list[object]:
-    return _quarantine(inst, "peer_disconnected")
+def _disconnected_reading(ctx: ReadCtx, event: PeerDisconnected) -> list[Effect]:
+    return quarantine(ctx, "peer_disconnected")
 
 
-def _release(inst: Any, payload: Any) -> list[object]:
-    return [Emit(ENTRY_KIND, inst.key, "discard")]
+def _release(ctx: ReadCtx, event: QuarantineOver) -> list[Effect]:
+    return [Emit(EC_CACHE_ENTRY, ctx.key, Discard())]
 
 
-EC_CONSUMER_READ = Declaration(
-    name=CONSUMER_READ_KIND,
+EC_CONSUMER_READ: Declaration[ReadCtx] = Declaration(
+    name="ec.consumer_read",
+    context=ReadCtx,
     description=(
         "Consumer pull of one encoding (R-E07, R-E08, R-E12, B-04): XferReq, then NIXL "
         "READ on OK. NACK_NOT_READY retries next step keeping the destination reserved; "
@@ -259,77 +319,78 @@ EC_CONSUMER_READ = Declaration(
         "timeout quarantines the destination (not evicted) while the request falls back."
     ),
     states=[
-        "needed",
+        {"name": "needed", "tags": ("in_flight",)},
         {
             "name": "xfer_req_sent",
+            "tags": ("in_flight", "awaiting_ack", "timed_wait"),
             "timeout": Timeout(
-                "consumer_ack_timeout_s", "fallback_local", "ack_timeout", action="ack_timed_out"
+                "consumer_ack_timeout_s", "fallback_local", AckTimeout, action="ack_timed_out"
             ),
         },
-        "retry_next_step",
+        {"name": "retry_next_step", "tags": ("in_flight", "retry_pending")},
         {
             "name": "reading",
+            "tags": ("in_flight", "read_posted", "read_awaited", "timed_wait"),
             "timeout": Timeout(
-                "nixl_read_timeout_s", "quarantined", "read_timeout", action="read_timed_out"
+                "nixl_read_timeout_s", "quarantined", ReadTimeout, action="read_timed_out"
             ),
         },
         {
             "name": "quarantined",
-            "timeout": Timeout(
-                "read_quarantine_s", "released", "quarantine_over", action="release"
-            ),
+            "tags": ("read_posted", "timed_wait"),
+            "timeout": Timeout("read_quarantine_s", "released", QuarantineOver, action="release"),
         },
-        {"name": "done", "final": True},
-        {"name": "fallback_local", "final": True},
-        {"name": "released", "final": True},
+        {"name": "done", "final": True, "tags": ("landed",)},
+        {"name": "fallback_local", "final": True, "tags": ("fell_back",)},
+        {"name": "released", "final": True, "tags": ("quarantine_ended",)},
     ],
     initial="needed",
     transitions=[
         {
-            "trigger": "send",
+            "trigger": Send,
             "source": ["needed", "retry_next_step"],
             "dest": "xfer_req_sent",
             "after": "send",
         },
         {
-            "trigger": "ack",
+            "trigger": Ack,
             "source": "xfer_req_sent",
             "dest": "reading",
             "conditions": "granted",
             "after": "start_read",
         },
         {
-            "trigger": "ack",
+            "trigger": Ack,
             "source": "xfer_req_sent",
             "dest": "retry_next_step",
             "conditions": "may_retry",
             "after": "retry",
         },
-        {"trigger": "ack", "source": "xfer_req_sent", "dest": "fallback_local", "after": "nacked"},
+        {"trigger": Ack, "source": "xfer_req_sent", "dest": "fallback_local", "after": "nacked"},
         {
-            "trigger": "peer_disconnected",
+            "trigger": PeerDisconnected,
             "source": ["needed", "xfer_req_sent", "retry_next_step"],
             "dest": "fallback_local",
             "after": "disconnected",
         },
-        {"trigger": "read_done", "source": "reading", "dest": "done", "after": "read_done"},
+        {"trigger": ReadDone, "source": "reading", "dest": "done", "after": "read_done"},
         {
-            "trigger": "read_failed",
+            "trigger": ReadFailed,
             "source": "reading",
             "dest": "fallback_local",
             "after": "read_failed",
         },
         {
-            "trigger": "peer_disconnected",
+            "trigger": PeerDisconnected,
             "source": "reading",
             "dest": "quarantined",
             "after": "disconnected_reading",
         },
     ],
     ignore=[
-        ("quarantined", "read_done"),
-        ("quarantined", "read_failed"),
-        ("quarantined", "peer_disconnected"),
+        ("quarantined", ReadDone),
+        ("quarantined", ReadFailed),
+        ("quarantined", PeerDisconnected),
     ],
     callbacks={
         "granted": _granted,
@@ -352,5 +413,4 @@ EC_CONSUMER_READ = Declaration(
         "read_quarantine_s": DEFAULT_READ_QUARANTINE_S,
         "consumer_max_not_ready_retries": DEFAULT_MAX_NOT_READY_RETRIES,
     },
-    context=ReadCtx,
 )

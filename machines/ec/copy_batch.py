@@ -13,33 +13,65 @@ The worker stages one batch per direction and step, keyed by a batch id it numbe
   saved entries become ready, loaded entries are unpinned (see `ec.cache_entry`); the
   scheduler runs on its own bus, so "applied" is the entry's transition there.
 
-No timeout: a CUDA end event always fires; a copy engine that fails says so.
+No timeout: a CUDA end event always fires; a copy engine that fails says so. Tags:
+`in_flight` (submitted, its end event not seen yet), `reportable` (end event seen, not
+yet in a worker meta).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvhandoff.machines.ec.meta import CopyDirection, CopyItem
 from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.effects import Effect
+from kvhandoff.machines.runtime.events import Event
 
-__all__ = ["COPY_BATCH_KIND", "EC_COPY_BATCH", "BatchCtx", "CopyBlocks", "CopyLanded"]
-
-COPY_BATCH_KIND = "ec.copy_batch"
+__all__ = [
+    "EC_COPY_BATCH",
+    "BatchCtx",
+    "CopyBlocks",
+    "CopyFailed",
+    "CopyLanded",
+    "EndEvent",
+    "Report",
+    "Submit",
+]
 
 
 @dataclass(slots=True)
 class BatchCtx:
+    key: int
+    """The batch id the worker numbered."""
     direction: CopyDirection = "save"
     items: tuple[CopyItem, ...] = ()
     ok: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class CopyBlocks:
+class Submit(Event):
+    """The worker hands the staged batch to the copy engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndEvent(Event):
+    """The copy adapter saw the batch's end event fire."""
+
+
+@dataclass(frozen=True, slots=True)
+class CopyFailed(Event):
+    """The copy engine refused or lost the batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Report(Event):
+    """The batch went into a worker meta."""
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBlocks(Effect):
     """Adapter: copy `items` in `direction` on a pooled stream, then report the end
-    event with `ECWorker.on_copy_done(batch_id, ok)`."""
+    event with `ECWorker.on_copy_done(batch_id, now, ok)`."""
 
     direction: CopyDirection
     batch_id: int
@@ -47,7 +79,7 @@ class CopyBlocks:
 
 
 @dataclass(frozen=True, slots=True)
-class CopyLanded:
+class CopyLanded(Effect):
     """The worker itself: a batch's end event was seen (`ok` False when it failed)."""
 
     direction: CopyDirection
@@ -56,50 +88,53 @@ class CopyLanded:
     ok: bool
 
 
-def _submit(inst: Any, payload: Any) -> list[object]:
-    ctx = inst.ctx
-    return [CopyBlocks(ctx.direction, inst.key, ctx.items)]
+def _submit(ctx: BatchCtx, event: Submit) -> list[Effect]:
+    return [CopyBlocks(ctx.direction, ctx.key, ctx.items)]
 
 
-def _landed(inst: Any, ok: bool) -> list[object]:
-    ctx = inst.ctx
+def _landed(ctx: BatchCtx, ok: bool) -> list[Effect]:
     ctx.ok = ok
-    return [CopyLanded(ctx.direction, inst.key, tuple(i.mm_hash for i in ctx.items), ok)]
+    return [CopyLanded(ctx.direction, ctx.key, tuple(i.mm_hash for i in ctx.items), ok)]
 
 
-def _end_event(inst: Any, payload: Any) -> list[object]:
-    return _landed(inst, True)
+def _end_event(ctx: BatchCtx, event: EndEvent) -> list[Effect]:
+    return _landed(ctx, True)
 
 
-def _copy_failed(inst: Any, payload: Any) -> list[object]:
-    return _landed(inst, False)
+def _copy_failed(ctx: BatchCtx, event: CopyFailed) -> list[Effect]:
+    return _landed(ctx, False)
 
 
-EC_COPY_BATCH = Declaration(
-    name=COPY_BATCH_KIND,
+EC_COPY_BATCH: Declaration[BatchCtx] = Declaration(
+    name="ec.copy_batch",
+    context=BatchCtx,
     description=(
         "One batched save or load on a pooled CUDA stream (R-E05): submitted -> end event "
         "seen -> reported in the worker meta; the scheduler then marks saved entries "
         "ready and unpins loaded ones."
     ),
-    states=["staged", "submitted", "end_event_seen", {"name": "reported", "final": True}],
+    states=[
+        "staged",
+        {"name": "submitted", "tags": ("in_flight",)},
+        {"name": "end_event_seen", "tags": ("reportable",)},
+        {"name": "reported", "final": True},
+    ],
     initial="staged",
     transitions=[
-        {"trigger": "submit", "source": "staged", "dest": "submitted", "after": "submit"},
+        {"trigger": Submit, "source": "staged", "dest": "submitted", "after": "submit"},
         {
-            "trigger": "end_event",
+            "trigger": EndEvent,
             "source": "submitted",
             "dest": "end_event_seen",
             "after": "end_event",
         },
         {
-            "trigger": "copy_failed",
+            "trigger": CopyFailed,
             "source": "submitted",
             "dest": "end_event_seen",
             "after": "copy_failed",
         },
-        {"trigger": "report", "source": "end_event_seen", "dest": "reported"},
+        {"trigger": Report, "source": "end_event_seen", "dest": "reported"},
     ],
     callbacks={"submit": _submit, "end_event": _end_event, "copy_failed": _copy_failed},
-    context=BatchCtx,
 )

@@ -8,7 +8,11 @@
   `update_connector_output`, R-E05).
 - `ECFinished`: what the worker's `get_finished` reports to its model runner.
 
-Plain frozen dataclasses, no I/O; part of the local tier.
+Plain frozen slotted dataclasses, no I/O; part of the local tier. The step metadata
+(`CopyItem`, `ECConnectorMeta`, `ECWorkerMeta`, `ECFinished`) holds only builtins,
+tuples, frozensets and nested such records, so it can cross a process boundary as it is
+(msgspec encodes and decodes these dataclasses natively; the local tier itself never
+imports msgspec, R-E02).
 """
 
 from __future__ import annotations

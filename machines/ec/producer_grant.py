@@ -2,8 +2,8 @@
 
 Keyed by (peer, transfer_id): the consumer's ZMQ identity and the id it chose, so one
 consumer can never release another's pin. The producer's scheduler creates a grant for
-each decoded `XferReq` and delivers `check` with a `GrantCheck`: the request and a
-snapshot of the local entry it names. The guards are tried in order:
+each decoded `XferReq` and delivers `Check`: the request and a snapshot of the local
+entry it names. The guards are tried in order:
 
 1. `wrong_version`: the request's connector version is not ours -> `NACK_VERSION`.
 2. `incompatible`: its compatibility hash (engine version, model, dtype,
@@ -19,136 +19,160 @@ Every answer is a `SendXferAck(peer, ack)` effect for the ZMQ ROUTER adapter. A 
 pin is held for `pin_lease_s` (30 s): `xfer_done` (the consumer's `XferDone`) or
 `lease_expired` unpins it. A disconnect does not end a grant early (the peer's READ may
 still be in flight); the lease does.
+
+`Check`, `XferDone` and `PeerDisconnected` are peer events: one a state does not declare
+is a `RemoteProtocolError` that changes nothing. Tags: `leased` (granted: the entry is
+pinned for the consumer until `XferDone` or the lease ends), `refused` (a NACK was sent).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.events import PeerDisconnected, Pin, Unpin
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
-from kvhandoff.machines.runtime.effects import Emit, Metric
+from kvhandoff.machines.runtime.effects import Effect, Emit, Metric
+from kvhandoff.machines.runtime.events import Event, PeerEvent
 from kvhandoff.protocol.ec_config import DEFAULT_PIN_LEASE_S
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
 from kvhandoff.protocol.ec_wire import XferAck, XferReq, grant_ack, nack
 
 __all__ = [
     "EC_PRODUCER_GRANT",
-    "GRANT_KIND",
-    "GrantCheck",
+    "Check",
     "GrantCtx",
+    "GrantKey",
+    "LeaseExpired",
     "SendXferAck",
+    "XferDone",
 ]
 
-GRANT_KIND = "ec.producer_grant"
+GrantKey = tuple[bytes | str, str]
+"""(the consumer's ZMQ identity, its `transfer_id`)."""
 
 
 @dataclass(slots=True)
 class GrantCtx:
     """Who asked, for what, and this producer's identity for the ack."""
 
+    key: GrantKey
     peer: bytes | str = b""
     mm_hash: str = ""
     agent_name: str = ""
     agent_metadata: bytes = b""
     region_base_addr: int = 0
     block_size_bytes: int = 0
+    lease_s: float = DEFAULT_PIN_LEASE_S
+    """How long a granted pin is held (`pin_lease_s`), announced in the ack."""
 
 
 @dataclass(frozen=True, slots=True)
-class GrantCheck:
-    """Payload of `check`: the request and a snapshot of the entry it names."""
+class Check(PeerEvent):
+    """A decoded `XferReq` and a snapshot of the local entry it names."""
 
     req: XferReq
     expected_hash: str
-    entry_state: str | None = None
+    entry_present: bool = False
+    entry_loadable: bool = False
+    """The entry's bytes are in the tier (its save has landed)."""
     entry_blocks: tuple[int, ...] = ()
     entry_size_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
-class SendXferAck:
+class XferDone(PeerEvent):
+    """The consumer is finished with the grant (`ok`: its READ completed)."""
+
+    ok: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired(Event):
+    """`pin_lease_s` passed without an `XferDone`."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendXferAck(Effect):
     """ZMQ ROUTER adapter: send `ack` to the consumer identity `peer`."""
 
     peer: bytes | str
     ack: XferAck
 
 
-def _wrong_version(inst: Any, check: GrantCheck) -> bool:
-    return check.req.version != EC_CONNECTOR_VERSION
+def _wrong_version(ctx: GrantCtx, event: Check) -> bool:
+    return event.req.version != EC_CONNECTOR_VERSION
 
 
-def _incompatible(inst: Any, check: GrantCheck) -> bool:
-    return check.req.compat_hash != check.expected_hash
+def _incompatible(ctx: GrantCtx, event: Check) -> bool:
+    return event.req.compat_hash != event.expected_hash
 
 
-def _absent(inst: Any, check: GrantCheck) -> bool:
+def _absent(ctx: GrantCtx, event: Check) -> bool:
     return (
-        check.entry_state is None
-        or check.entry_size_bytes != check.req.size_bytes
-        or len(check.entry_blocks) != check.req.num_blocks
+        not event.entry_present
+        or event.entry_size_bytes != event.req.size_bytes
+        or len(event.entry_blocks) != event.req.num_blocks
     )
 
 
-def _not_ready(inst: Any, check: GrantCheck) -> bool:
-    return check.entry_state == "allocated"
+def _not_ready(ctx: GrantCtx, event: Check) -> bool:
+    return not event.entry_loadable
 
 
-def _no_agent(inst: Any, check: GrantCheck) -> bool:
-    return not (inst.ctx.agent_name and inst.ctx.agent_metadata)
+def _no_agent(ctx: GrantCtx, event: Check) -> bool:
+    return not (ctx.agent_name and ctx.agent_metadata)
 
 
-def _refuse(inst: Any, check: GrantCheck, status: XferStatus) -> list[object]:
-    ack = nack(check.req, status, producer_agent_name=inst.ctx.agent_name)
-    return [SendXferAck(inst.ctx.peer, ack), Metric(f"ec.producer.{status}")]
+def _refuse(ctx: GrantCtx, event: Check, status: XferStatus) -> list[Effect]:
+    ack = nack(event.req, status, producer_agent_name=ctx.agent_name)
+    return [SendXferAck(ctx.peer, ack), Metric(f"ec.producer.{status}")]
 
 
-def _nack_version(inst: Any, check: GrantCheck) -> list[object]:
-    return _refuse(inst, check, XferStatus.NACK_VERSION)
+def _nack_version(ctx: GrantCtx, event: Check) -> list[Effect]:
+    return _refuse(ctx, event, XferStatus.NACK_VERSION)
 
 
-def _nack_incompat(inst: Any, check: GrantCheck) -> list[object]:
-    return _refuse(inst, check, XferStatus.NACK_INCOMPAT)
+def _nack_incompat(ctx: GrantCtx, event: Check) -> list[Effect]:
+    return _refuse(ctx, event, XferStatus.NACK_INCOMPAT)
 
 
-def _nack_missing(inst: Any, check: GrantCheck) -> list[object]:
-    return _refuse(inst, check, XferStatus.NACK_MISSING)
+def _nack_missing(ctx: GrantCtx, event: Check) -> list[Effect]:
+    return _refuse(ctx, event, XferStatus.NACK_MISSING)
 
 
-def _nack_not_ready(inst: Any, check: GrantCheck) -> list[object]:
-    return _refuse(inst, check, XferStatus.NACK_NOT_READY)
+def _nack_not_ready(ctx: GrantCtx, event: Check) -> list[Effect]:
+    return _refuse(ctx, event, XferStatus.NACK_NOT_READY)
 
 
-def _nack_internal(inst: Any, check: GrantCheck) -> list[object]:
-    return _refuse(inst, check, XferStatus.NACK_INTERNAL)
+def _nack_internal(ctx: GrantCtx, event: Check) -> list[Effect]:
+    return _refuse(ctx, event, XferStatus.NACK_INTERNAL)
 
 
-def _grant(inst: Any, check: GrantCheck) -> list[object]:
-    ctx = inst.ctx
+def _grant(ctx: GrantCtx, event: Check) -> list[Effect]:
     ack = grant_ack(
-        check.req,
+        event.req,
         producer_agent_name=ctx.agent_name,
         producer_agent_metadata=ctx.agent_metadata,
-        block_indices=list(check.entry_blocks),
+        block_indices=list(event.entry_blocks),
         block_size_bytes=ctx.block_size_bytes,
-        size_bytes=check.entry_size_bytes,
+        size_bytes=event.entry_size_bytes,
         region_base_addr=ctx.region_base_addr,
-        lease_s=inst.machine.config["pin_lease_s"],
+        lease_s=ctx.lease_s,
     )
     return [
-        Emit(ENTRY_KIND, ctx.mm_hash, "pin"),
+        Emit(EC_CACHE_ENTRY, ctx.mm_hash, Pin()),
         SendXferAck(ctx.peer, ack),
         Metric("ec.producer.OK"),
     ]
 
 
-def _consumed(inst: Any, ok: bool | None) -> list[object]:
-    return [Emit(ENTRY_KIND, inst.ctx.mm_hash, "unpin", bool(ok))]
+def _consumed(ctx: GrantCtx, event: XferDone) -> list[Effect]:
+    return [Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin(consumed=event.ok))]
 
 
-def _lease_expired(inst: Any, payload: Any) -> list[object]:
-    return [Emit(ENTRY_KIND, inst.ctx.mm_hash, "unpin", False), Metric("ec.producer.lease_expired")]
+def _lease_expired(ctx: GrantCtx, event: LeaseExpired) -> list[Effect]:
+    return [Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin()), Metric("ec.producer.lease_expired")]
 
 
 _REFUSALS = (
@@ -159,8 +183,9 @@ _REFUSALS = (
     ("no_agent", "refused_internal", "nack_internal"),
 )
 
-EC_PRODUCER_GRANT = Declaration(
-    name=GRANT_KIND,
+EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
+    name="ec.producer_grant",
+    context=GrantCtx,
     description=(
         "Producer answer to one XferReq (R-E09, R-E10, R-E12): version, then "
         "compatibility hash, then presence, then readiness; OK pins the entry for a "
@@ -170,9 +195,10 @@ EC_PRODUCER_GRANT = Declaration(
         "received",
         {
             "name": "granted",
-            "timeout": Timeout("pin_lease_s", "expired", "lease_expired", action="unpin_expired"),
+            "tags": ("leased",),
+            "timeout": Timeout("pin_lease_s", "expired", LeaseExpired, action="unpin_expired"),
         },
-        *({"name": dest, "final": True} for _, dest, _ in _REFUSALS),
+        *({"name": dest, "final": True, "tags": ("refused",)} for _, dest, _ in _REFUSALS),
         {"name": "released", "final": True},
         {"name": "expired", "final": True},
     ],
@@ -180,7 +206,7 @@ EC_PRODUCER_GRANT = Declaration(
     transitions=[
         *(
             {
-                "trigger": "check",
+                "trigger": Check,
                 "source": "received",
                 "dest": dest,
                 "conditions": guard,
@@ -188,10 +214,10 @@ EC_PRODUCER_GRANT = Declaration(
             }
             for guard, dest, action in _REFUSALS
         ),
-        {"trigger": "check", "source": "received", "dest": "granted", "after": "grant"},
-        {"trigger": "xfer_done", "source": "granted", "dest": "released", "after": "consumed"},
+        {"trigger": Check, "source": "received", "dest": "granted", "after": "grant"},
+        {"trigger": XferDone, "source": "granted", "dest": "released", "after": "consumed"},
     ],
-    ignore=[("granted", "peer_disconnected")],
+    ignore=[("granted", PeerDisconnected)],
     callbacks={
         "wrong_version": _wrong_version,
         "incompatible": _incompatible,
@@ -208,5 +234,4 @@ EC_PRODUCER_GRANT = Declaration(
         "unpin_expired": _lease_expired,
     },
     config_defaults={"pin_lease_s": DEFAULT_PIN_LEASE_S},
-    context=GrantCtx,
 )

@@ -6,7 +6,7 @@ Keyed by request id, on the consumer side (`ec_consumer`, `ec_both`). The schedu
 - `hold` (the encoding is in the tier): pin its entry until the scheduler allocates the
   request's encoder inputs (`load` hands the pin over to the load), so no eviction can
   take it between "available" and "loaded".
-- `fall_back` (payload `(mm_hash, reason)`): the encoding will not come from the tier or a
+- `fall_back` (`FallBack(mm_hash, reason)`): the encoding will not come from the tier or a
   peer, so the request encodes it locally. When the request's media for that `mm_hash`
   was rewritten into a metadata-only reference there is nothing to encode: the request
   goes to `failed` with a `FailRequest(request_id, reason)`, the scheduler-side failure
@@ -17,24 +17,38 @@ Keyed by request id, on the consumer side (`ec_consumer`, `ec_both`). The schedu
 
 While `waiting` the request depends on consumer reads, each bounded by its own timeouts,
 and on the next scheduler step.
+
+Tags: `unsettled` (waiting: some `mm_hash` is not settled yet), `schedulable` (available),
+`failed_cleanly` (failed, holding nothing, until the engine finishes it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.events import Pin, Unpin
 from kvhandoff.machines.runtime.declaration import Declaration
-from kvhandoff.machines.runtime.effects import Emit, Metric
+from kvhandoff.machines.runtime.effects import Effect, Emit, Metric
+from kvhandoff.machines.runtime.events import Event
 
-__all__ = ["EC_REQUEST", "REQUEST_KIND", "FailRequest", "RequestCtx"]
-
-REQUEST_KIND = "ec.request"
+__all__ = [
+    "EC_REQUEST",
+    "Available",
+    "EncodingLost",
+    "FailRequest",
+    "FallBack",
+    "Finished",
+    "Hold",
+    "Load",
+    "RequestCtx",
+]
 
 
 @dataclass(slots=True)
 class RequestCtx:
+    key: str
+    """The request id."""
     metadata_only: frozenset[str] = frozenset()
     """`mm_hash`es without media: they cannot be encoded locally."""
     held: set[str] = field(default_factory=set)
@@ -45,93 +59,136 @@ class RequestCtx:
 
 
 @dataclass(frozen=True, slots=True)
-class FailRequest:
+class Hold(Event):
+    """`mm_hash` is in the tier: pin it until the request's load is scheduled."""
+
+    mm_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class FallBack(Event):
+    """`mm_hash` will not come from the tier or a peer (`reason`): encode it locally."""
+
+    mm_hash: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Available(Event):
+    """Every `mm_hash` is held or settled locally."""
+
+
+@dataclass(frozen=True, slots=True)
+class Load(Event):
+    """The load of `mm_hash` was scheduled: the hold becomes the load's pin."""
+
+    mm_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodingLost(Event):
+    """The load of `mm_hash` the request depended on failed."""
+
+    mm_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(Event):
+    """The request finished or was aborted."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailRequest(Effect):
     """Engine scheduler: fail `request_id` cleanly with `reason` (B-05)."""
 
     request_id: str
     reason: str
 
 
-def _media_missing(inst: Any, payload: tuple[str, str]) -> bool:
-    return payload[0] in inst.ctx.metadata_only
+def _media_missing(ctx: RequestCtx, event: FallBack) -> bool:
+    return event.mm_hash in ctx.metadata_only
 
 
-def _hold(inst: Any, mm_hash: str) -> list[object]:
-    inst.ctx.held.add(mm_hash)
-    return [Emit(ENTRY_KIND, mm_hash, "pin")]
+def _hold(ctx: RequestCtx, event: Hold) -> list[Effect]:
+    ctx.held.add(event.mm_hash)
+    return [Emit(EC_CACHE_ENTRY, event.mm_hash, Pin())]
 
 
-def _note_local(inst: Any, payload: tuple[str, str]) -> None:
-    mm_hash, reason = payload
-    inst.ctx.local[mm_hash] = reason
+def _note_local(ctx: RequestCtx, event: FallBack) -> None:
+    ctx.local[event.mm_hash] = event.reason
 
 
-def _release_holds(inst: Any) -> list[object]:
-    held, inst.ctx.held = inst.ctx.held, set()
-    return [Emit(ENTRY_KIND, mm_hash, "unpin") for mm_hash in sorted(held)]
+def _release_holds(ctx: RequestCtx) -> list[Effect]:
+    held, ctx.held = ctx.held, set()
+    return [Emit(EC_CACHE_ENTRY, mm_hash, Unpin()) for mm_hash in sorted(held)]
 
 
-def _fail(inst: Any, reason: str) -> list[object]:
-    inst.ctx.failure = reason
-    return [FailRequest(inst.key, reason), Metric("ec.request.failed"), *_release_holds(inst)]
+def _fail(ctx: RequestCtx, reason: str) -> list[Effect]:
+    ctx.failure = reason
+    return [FailRequest(ctx.key, reason), Metric("ec.request.failed"), *_release_holds(ctx)]
 
 
-def _lost_after_fallback(inst: Any, payload: tuple[str, str]) -> list[object]:
-    mm_hash, reason = payload
+def _lost_after_fallback(ctx: RequestCtx, event: FallBack) -> list[Effect]:
     return _fail(
-        inst,
-        f"encoding {mm_hash} was announced but is lost ({reason}) and its media "
+        ctx,
+        f"encoding {event.mm_hash} was announced but is lost ({event.reason}) and its media "
         "was rewritten to a metadata-only reference",
     )
 
 
-def _load_lost(inst: Any, payload: str) -> list[object]:
-    return _fail(inst, f"loading encoding {payload} from the CPU tier failed")
+def _load_lost(ctx: RequestCtx, event: EncodingLost) -> list[Effect]:
+    return _fail(ctx, f"loading encoding {event.mm_hash} from the CPU tier failed")
 
 
-def _hand_over(inst: Any, mm_hash: str) -> None:
-    inst.ctx.held.discard(mm_hash)
+def _hand_over(ctx: RequestCtx, event: Load) -> None:
+    ctx.held.discard(event.mm_hash)
 
 
-def _finished(inst: Any, payload: Any) -> list[object]:
-    return _release_holds(inst)
+def _finished(ctx: RequestCtx, event: Finished) -> list[Effect]:
+    return _release_holds(ctx)
 
 
-EC_REQUEST = Declaration(
-    name=REQUEST_KIND,
+EC_REQUEST: Declaration[RequestCtx] = Declaration(
+    name="ec.request",
+    context=RequestCtx,
     description=(
         "Consumer-side availability of one request's encodings (B-05): held in the tier, "
         "encoded locally, or failed cleanly with a reason when an announced encoding is "
         "lost after the media was rewritten to a metadata-only reference."
     ),
-    states=["waiting", "available", "failed", {"name": "finished", "final": True}],
+    states=[
+        {"name": "waiting", "tags": ("unsettled",)},
+        {"name": "available", "tags": ("schedulable",)},
+        {"name": "failed", "tags": ("failed_cleanly",)},
+        {"name": "finished", "final": True},
+    ],
     initial="waiting",
     transitions=[
-        {"trigger": "hold", "source": "waiting", "dest": None, "after": "hold"},
+        {"trigger": Hold, "source": "waiting", "dest": None, "after": "hold"},
         {
-            "trigger": "fall_back",
+            "trigger": FallBack,
             "source": "waiting",
             "dest": "failed",
             "conditions": "media_missing",
             "after": "lost_after_fallback",
         },
-        {"trigger": "fall_back", "source": "waiting", "dest": None, "after": "note_local"},
-        {"trigger": "available", "source": "waiting", "dest": "available"},
-        {"trigger": "load", "source": "available", "dest": None, "after": "hand_over"},
+        {"trigger": FallBack, "source": "waiting", "dest": None, "after": "note_local"},
+        {"trigger": Available, "source": "waiting", "dest": "available"},
+        {"trigger": Load, "source": "available", "dest": None, "after": "hand_over"},
         {
-            "trigger": "encoding_lost",
+            "trigger": EncodingLost,
             "source": ["waiting", "available"],
             "dest": "failed",
             "after": "load_lost",
         },
         {
-            "trigger": "finished",
+            "trigger": Finished,
             "source": ["waiting", "available", "failed"],
             "dest": "finished",
             "after": "finished",
         },
     ],
-    ignore=[("failed", "fall_back"), ("failed", "encoding_lost"), ("failed", "load")],
+    ignore=[("failed", FallBack), ("failed", EncodingLost), ("failed", Load)],
     callbacks={
         "media_missing": _media_missing,
         "hold": _hold,
@@ -141,5 +198,4 @@ EC_REQUEST = Declaration(
         "load_lost": _load_lost,
         "finished": _finished,
     },
-    context=RequestCtx,
 )

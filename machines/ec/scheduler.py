@@ -13,6 +13,11 @@ Effects for adapters appear on `bus` (register handlers with `bus.handle`) or in
 `drain_effects()`: `SendXferReq`, `IssueRead`, `SendXferDone`, `SendXferAck`, and for an
 orchestrator `EncodingEvicted` (B-01). Requests failed on the scheduler side (B-05) are
 collected as `FailRequest`s in `take_failed_requests()`.
+
+Time is an argument: every entry point that may change state takes `now` (the engine's
+clock, read by its caller); nothing here reads a clock. The bus fires every timeout due
+at `now` before it applies anything, and an entry point that looks at the machines
+before it acts gives the bus the time first.
 """
 
 from __future__ import annotations
@@ -21,11 +26,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.machines.ec.cache import EmbeddingCache, EvictionObserver
+from kvhandoff.machines.ec.events import Discard, Pin, Publish, Saved, Unpin
 from kvhandoff.machines.ec.meta import CopyItem, ECConnectorMeta, ECRequest, ECWorkerMeta
 from kvhandoff.machines.ec.nixl_gate import require_nixl
-from kvhandoff.machines.ec.request import EC_REQUEST, REQUEST_KIND, FailRequest
+from kvhandoff.machines.ec.request import (
+    EC_REQUEST,
+    Available,
+    EncodingLost,
+    FailRequest,
+    FallBack,
+    Finished,
+    Hold,
+    Load,
+    RequestCtx,
+)
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.machines.runtime.clock import Clock, real_clock
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.ec_publication import (
@@ -41,6 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ECScheduler"]
 
+Published = dict[str, PublishedEncoding | None]
+
 
 class ECScheduler:
     """The scheduler half of one engine instance (one DP rank)."""
@@ -51,7 +68,6 @@ class ECScheduler:
         layout: ECLayout,
         *,
         compat_hash: str = "",
-        clock: Clock = real_clock,
         env: Mapping[str, str] | None = None,
         machine_config: Mapping[str, float] | None = None,
         eviction_observer: EvictionObserver | None = None,
@@ -67,7 +83,7 @@ class ECScheduler:
                 f"{self.extra.ec_cpu_bytes}"
             )
         self.layout = layout
-        self.bus = EventBus(clock)
+        self.bus = EventBus()
         self.cache = EmbeddingCache(self.bus, layout.num_blocks, observer=eviction_observer)
         self.failed_requests: list[FailRequest] = []
         self.bad_params = 0
@@ -75,7 +91,7 @@ class ECScheduler:
         self._loads: list[CopyItem] = []
         self._loading: dict[str, list[str]] = {}
         self._waiters: dict[str, set[str]] = {}
-        self._params: dict[str, tuple[dict[str, PublishedEncoding | None], str]] = {}
+        self._params: dict[str, tuple[Published, str]] = {}
         self.bus.handle(FailRequest, lambda inst, effect: self.failed_requests.append(effect))
         if config.is_consumer:
             self.bus.register(EC_REQUEST)
@@ -106,9 +122,9 @@ class ECScheduler:
                 engine_id=self.config.engine_id,
                 compat_hash=compat_hash,
                 on_fallback=self._read_fell_back,
+                on_retired=self._read_retired,
                 config={k: v for k, v in config.items() if k != "pin_lease_s"},
             )
-            self.bus.on_retire(self._read_retired)
         if self.config.is_producer:
             self.producer = ec_p2p.P2PProducer(
                 self.bus,
@@ -118,6 +134,11 @@ class ECScheduler:
                 config={"pin_lease_s": config["pin_lease_s"]},
             )
 
+    def _at(self, now: float) -> None:
+        """Give the bus the time before looking at the machines (due timeouts fire)."""
+        if now > self.bus.now:
+            self.bus.fire_due(now)
+
     # -- facts -----------------------------------------------------------------------------
 
     @property
@@ -126,24 +147,24 @@ class ECScheduler:
         return self.config.encoder_only
 
     def has_cache_item(self, mm_hash: str) -> bool:
-        """True when this consumer can load `mm_hash` from the tier instead of encoding."""
+        """True when this consumer can load `mm_hash` from the tier instead of encoding
+        (as of the last time given)."""
         return self.config.is_consumer and self.cache.is_loadable(mm_hash)
 
-    def poll(self) -> int:
-        """Fire due timeouts (ack, read, quarantine, pin lease); the number fired."""
-        return self.bus.fire_due()
+    def poll(self, now: float) -> int:
+        """Fire timeouts due at `now` (ack, read, quarantine, pin lease); the number fired."""
+        return self.bus.fire_due(now)
 
     # -- consumer: availability ----------------------------------------------------------
 
-    def _request(self, request: ECRequest) -> Instance:
-        inst = self.bus.get(REQUEST_KIND, request.request_id)
+    def _request(self, request: ECRequest, now: float) -> Instance[RequestCtx]:
+        inst = self.bus.get(EC_REQUEST, request.request_id)
         if inst is None:
-            inst = self.bus.create(
-                REQUEST_KIND, request.request_id, metadata_only=frozenset(request.metadata_only)
-            )
+            ctx = RequestCtx(request.request_id, metadata_only=frozenset(request.metadata_only))
+            inst = self.bus.create(EC_REQUEST, ctx, now)
         return inst
 
-    def _published(self, request: ECRequest) -> tuple[dict[str, PublishedEncoding | None], str]:
+    def _published(self, request: ECRequest) -> tuple[Published, str]:
         cached = self._params.get(request.request_id)
         if cached is None:
             try:
@@ -154,15 +175,15 @@ class ECScheduler:
             self._params[request.request_id] = cached
         return cached
 
-    def ensure_cache_available(self, request: ECRequest) -> bool:
+    def ensure_cache_available(self, request: ECRequest, now: float) -> bool:
         """May `request` be scheduled now? False defers it (a read is in flight) or means
         it failed (then it is in `take_failed_requests()`, B-05)."""
-        self.poll()
+        self._at(now)
         if not self.config.is_consumer:
             return True
-        inst = self._request(request)
-        if inst.state != "waiting":
-            return inst.state == "available"
+        inst = self._request(request, now)
+        if not inst.has("unsettled"):
+            return inst.has("schedulable")
         published, params_error = self._published(request)
         rid = request.request_id
         waiting = False
@@ -170,36 +191,31 @@ class ECScheduler:
             ctx = inst.ctx
             if mm_hash in ctx.held or mm_hash in ctx.local:
                 continue
-            wait, reason = self._settle(rid, mm_hash, published, params_error)
+            wait, reason = self._settle(rid, mm_hash, published, params_error, now)
             waiting = waiting or wait
             if reason:
-                self.bus.dispatch(REQUEST_KIND, rid, "fall_back", (mm_hash, reason))
-            if inst.state != "waiting":  # failed, possibly from inside a read's fallback
+                self.bus.dispatch(EC_REQUEST, rid, FallBack(mm_hash, reason), now)
+            if not inst.has("unsettled"):  # failed, possibly from inside a read's fallback
                 return False
         if waiting:
             return False
-        self.bus.dispatch(REQUEST_KIND, rid, "available")
+        self.bus.dispatch(EC_REQUEST, rid, Available(), now)
         return True
 
     def _settle(
-        self,
-        rid: str,
-        mm_hash: str,
-        published: dict[str, PublishedEncoding | None],
-        params_error: str,
+        self, rid: str, mm_hash: str, published: Published, params_error: str, now: float
     ) -> tuple[bool, str]:
         """(wait, reason): wait for it, hold it (neither), or encode it locally (reason)."""
-        state = self.cache.state(mm_hash)
-        if state in ("ready", "pinned"):
-            self.bus.dispatch(REQUEST_KIND, rid, "hold", mm_hash)
+        cache = self.cache
+        if cache.is_loadable(mm_hash):
+            self.bus.dispatch(EC_REQUEST, rid, Hold(mm_hash), now)
             return False, ""
         consumer = self.consumer
         if consumer is not None and consumer.in_flight(mm_hash):
             self._waiters.setdefault(mm_hash, set()).add(rid)
             return True, ""
-        if state == "allocated":
-            entry = self.cache.entry(mm_hash)
-            assert entry is not None
+        entry = cache.entry(mm_hash)
+        if entry is not None and entry.has("awaiting_bytes"):
             if entry.ctx.origin == "save":
                 return True, ""  # our own save lands within a step or two
             return False, "destination quarantined"
@@ -208,7 +224,7 @@ class ECScheduler:
             return False, "published, but P2P is off (ec_enable_nixl)"
         if consumer is not None and encoding is not None:
             self._waiters.setdefault(mm_hash, set()).add(rid)
-            if consumer.start_read(mm_hash, encoding):
+            if consumer.start_read(mm_hash, encoding, now):
                 if consumer.in_flight(mm_hash):
                     return True, ""
                 return False, ""  # settled synchronously through the fallback hook
@@ -221,73 +237,78 @@ class ECScheduler:
         return False, "not cached and not published"
 
     def _read_fell_back(self, mm_hash: str, reason: str) -> None:
+        """A read's `FallBackLocal` (inside the bus's step: its time is the bus's)."""
         for rid in sorted(self._waiters.pop(mm_hash, ())):
-            inst = self.bus.get(REQUEST_KIND, rid)
-            if inst is not None and inst.state == "waiting" and mm_hash not in inst.ctx.local:
-                self.bus.dispatch(REQUEST_KIND, rid, "fall_back", (mm_hash, reason))
+            inst = self.bus.get(EC_REQUEST, rid)
+            if inst is not None and inst.has("unsettled") and mm_hash not in inst.ctx.local:
+                self.bus.dispatch(EC_REQUEST, rid, FallBack(mm_hash, reason), self.bus.now)
 
-    def _read_retired(self, inst: Instance) -> None:
-        if inst.kind != "ec.consumer_read":
-            return
-        waiters = self._waiters.pop(inst.key, ())
-        if inst.state != "done" or not self.cache.is_loadable(inst.key):
+    def _read_retired(self, mm_hash: str, landed: bool) -> None:
+        waiters = self._waiters.pop(mm_hash, ())
+        if not landed or not self.cache.is_loadable(mm_hash):
             return
         for rid in sorted(waiters):  # hold it at once: no eviction before they come back
-            request = self.bus.get(REQUEST_KIND, rid)
-            if request is not None and request.state == "waiting":
-                self.bus.dispatch(REQUEST_KIND, rid, "hold", inst.key)
+            request = self.bus.get(EC_REQUEST, rid)
+            if request is not None and request.has("unsettled"):
+                self.bus.dispatch(EC_REQUEST, rid, Hold(mm_hash), self.bus.now)
 
     # -- allocation and the step -----------------------------------------------------------
 
-    def update_state_after_alloc(self, request: ECRequest, mm_hash: str, num_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: ECRequest, mm_hash: str, num_tokens: int, now: float
+    ) -> None:
         """The engine allocated encoder cache for `mm_hash` of `request` (`num_tokens`
         rows): load it from the tier (consumer) or plan its save (producer)."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise LocalProtocolError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        self._at(now)
+        cache = self.cache
         if self.has_cache_item(mm_hash):
-            inst = self.bus.get(REQUEST_KIND, request.request_id)
-            if inst is not None and inst.state == "available" and mm_hash in inst.ctx.held:
-                self.bus.dispatch(REQUEST_KIND, request.request_id, "load", mm_hash)
+            rid = request.request_id
+            inst = self.bus.get(EC_REQUEST, rid)
+            if inst is not None and inst.has("schedulable") and mm_hash in inst.ctx.held:
+                self.bus.dispatch(EC_REQUEST, rid, Load(mm_hash), now)
             else:
-                self.cache.deliver(mm_hash, "pin")
-            entry = self.cache.entry(mm_hash)
+                cache.deliver(mm_hash, Pin(), now)
+            entry = cache.entry(mm_hash)
             assert entry is not None
             self._loads.append(CopyItem(mm_hash, entry.ctx.blocks, num_tokens))
-            self._loading.setdefault(mm_hash, []).append(request.request_id)
+            self._loading.setdefault(mm_hash, []).append(rid)
             return
-        if self.config.is_producer and self.cache.state(mm_hash) is None:
+        if self.config.is_producer and cache.entry(mm_hash) is None:
             size = num_tokens * self.layout.block_size_bytes
-            entry = self.cache.reserve(mm_hash, num_tokens, size, "save")
+            entry = cache.reserve(mm_hash, num_tokens, size, "save", now)
             if entry is not None:
                 self._saves.append(CopyItem(mm_hash, entry.ctx.blocks, num_tokens))
 
-    def build_connector_meta(self) -> ECConnectorMeta:
+    def build_connector_meta(self, now: float) -> ECConnectorMeta:
         """Once per step: fire timeouts, re-ask deferred reads, hand over loads and saves."""
-        self.poll()
+        self._at(now)
         if self.consumer is not None:
-            self.consumer.step()
+            self.consumer.step(now)
         meta = ECConnectorMeta(tuple(self._loads), tuple(self._saves))
         self._loads, self._saves = [], []
         return meta
 
-    def update_connector_output(self, output: ECWorkerMeta | None) -> None:
+    def update_connector_output(self, output: ECWorkerMeta | None, now: float) -> None:
         """Apply the worker's report (R-E05): saved entries become ready, loaded ones are
         unpinned; failed saves are discarded; failed loads fail their requests (B-05)."""
         if output is None:
             return
+        cache = self.cache
         for mm_hash in output.saved:
-            self.cache.deliver(mm_hash, "saved")
+            cache.deliver(mm_hash, Saved(), now)
         for mm_hash in output.failed_saves:
-            self.cache.deliver(mm_hash, "discard")
+            cache.deliver(mm_hash, Discard(), now)
         for mm_hash in output.loaded:
             self._load_finished(mm_hash)
-            self.cache.deliver(mm_hash, "unpin")
+            cache.deliver(mm_hash, Unpin(), now)
         for mm_hash in output.failed_loads:
             rid = self._load_finished(mm_hash)
-            self.cache.deliver(mm_hash, "unpin")
-            inst = None if rid is None else self.bus.get(REQUEST_KIND, rid)
-            if inst is not None and inst.state in ("waiting", "available"):
-                self.bus.dispatch(REQUEST_KIND, rid, "encoding_lost", mm_hash)
+            cache.deliver(mm_hash, Unpin(), now)
+            inst = None if rid is None else self.bus.get(EC_REQUEST, rid)
+            if inst is not None and not inst.has("failed_cleanly"):
+                self.bus.dispatch(EC_REQUEST, inst.key, EncodingLost(mm_hash), now)
 
     def _load_finished(self, mm_hash: str) -> str | None:
         rids = self._loading.get(mm_hash)
@@ -300,13 +321,14 @@ class ECScheduler:
 
     # -- end of a request ----------------------------------------------------------------
 
-    def request_finished(self, request: ECRequest) -> dict[str, dict[str, Any]]:
+    def request_finished(self, request: ECRequest, now: float) -> dict[str, dict[str, Any]]:
         """Release the request; on a P2P producer return its `ec_transfer_params`: per
         `mm_hash`, metadata and address of a resident encoding, or empty metadata and no
         address when it cannot be served (R-E06)."""
+        self._at(now)
         rid = request.request_id
-        if self.bus.get(REQUEST_KIND, rid) is not None:
-            self.bus.dispatch(REQUEST_KIND, rid, "finished")
+        if self.bus.get(EC_REQUEST, rid) is not None:
+            self.bus.dispatch(EC_REQUEST, rid, Finished(), now)
         self._params.pop(rid, None)
         for waiters in self._waiters.values():
             waiters.discard(rid)
@@ -325,7 +347,7 @@ class ECScheduler:
                 self.extra.side_channel_port,
                 entry.ctx.size_bytes,
             )
-            self.cache.deliver(mm_hash, "publish")
+            self.cache.deliver(mm_hash, Publish(), now)
         return params
 
     def take_failed_requests(self) -> list[FailRequest]:
@@ -335,10 +357,10 @@ class ECScheduler:
 
     # -- P2P adapter events ----------------------------------------------------------------
     #
-    # Each fires the due timeouts first: a message or completion that waited (a stalled
-    # process, a slow link) meets machines in the state its deadlines already decided,
-    # never one they would have left by now (e.g. an OK ack arriving after the ack
-    # timeout, for a grant whose lease may be over, starts no READ).
+    # A message or completion that waited (a stalled process, a slow link) meets machines
+    # in the state `now` decides, never one their deadlines would have left by then (an OK
+    # ack arriving after the ack timeout, for a grant whose lease may be over, starts no
+    # READ). Bad input raises `RemoteProtocolError` (counted) and changes nothing.
 
     def _need_consumer(self) -> P2PConsumer:
         if self.consumer is None:
@@ -350,41 +372,29 @@ class ECScheduler:
             raise LocalProtocolError("this scheduler is not a P2P producer (ec_enable_nixl)")
         return self.producer
 
-    def _consumer_now(self) -> P2PConsumer:
-        """The consumer half, its due timeouts fired."""
-        consumer = self._need_consumer()
-        self.poll()
-        return consumer
+    def on_xfer_ack(self, data: bytes, now: float, *, peer: str | None = None) -> None:
+        """ZMQ: an `XferAck` arrived."""
+        self._need_consumer().on_xfer_ack(data, now, peer=peer)
 
-    def _producer_now(self) -> P2PProducer:
-        """The producer half, its due timeouts (pin leases) fired."""
-        producer = self._need_producer()
-        self.poll()
-        return producer
-
-    def on_xfer_ack(self, data: bytes, *, peer: str | None = None) -> None:
-        """ZMQ: an `XferAck` arrived (raises `RemoteProtocolError` if bad, counted)."""
-        self._consumer_now().on_xfer_ack(data, peer=peer)
-
-    def on_read_done(self, mm_hash: str, transfer_id: str) -> None:
+    def on_read_done(self, mm_hash: str, transfer_id: str, now: float) -> None:
         """NIXL: the READ of `transfer_id` completed."""
-        self._consumer_now().on_read_done(mm_hash, transfer_id)
+        self._need_consumer().on_read_done(mm_hash, transfer_id, now)
 
-    def on_read_failed(self, mm_hash: str, transfer_id: str) -> None:
+    def on_read_failed(self, mm_hash: str, transfer_id: str, now: float) -> None:
         """NIXL: the READ of `transfer_id` failed."""
-        self._consumer_now().on_read_failed(mm_hash, transfer_id)
+        self._need_consumer().on_read_failed(mm_hash, transfer_id, now)
 
-    def on_peer_disconnected(self, peer_host: str, peer_port: int) -> None:
+    def on_peer_disconnected(self, peer_host: str, peer_port: int, now: float) -> None:
         """ZMQ: the DEALER to producer `peer_host:peer_port` lost its peer."""
-        self._consumer_now().on_peer_disconnected(peer_host, peer_port)
+        self._need_consumer().on_peer_disconnected(peer_host, peer_port, now)
 
-    def on_consumer_disconnected(self, peer: bytes | str) -> None:
+    def on_consumer_disconnected(self, peer: bytes | str, now: float) -> None:
         """ZMQ: consumer identity `peer` left the ROUTER (its grants keep their lease)."""
-        self._producer_now().on_peer_disconnected(peer)
+        self._need_producer().on_peer_disconnected(peer, now)
 
-    def on_producer_message(self, peer: bytes | str, data: bytes) -> None:
+    def on_producer_message(self, peer: bytes | str, data: bytes, now: float) -> None:
         """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""
-        self._producer_now().on_message(peer, data)
+        self._need_producer().on_message(peer, data, now)
 
     def register_nixl_agent(self, agent_name: str, agent_metadata: bytes, base_addr: int) -> None:
         """NIXL: the producer's agent registered the region at `base_addr`."""

@@ -10,6 +10,7 @@ Per engine step: `start_load_caches(meta)` submits the step's loads and remember
 the step's encoder outputs go; `save_caches(...)` submits saves (writer rank only);
 `build_connector_worker_meta()` reports every batch whose end event was seen, and the
 saves of this step that were never submitted (so the scheduler frees their blocks).
+Every call that changes state takes `now` from its caller; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 
-from kvhandoff.machines.ec.copy_batch import COPY_BATCH_KIND, EC_COPY_BATCH, CopyLanded
+from kvhandoff.machines.ec.copy_batch import (
+    EC_COPY_BATCH,
+    BatchCtx,
+    CopyFailed,
+    CopyLanded,
+    EndEvent,
+    Report,
+    Submit,
+)
 from kvhandoff.machines.ec.meta import (
     CopyDirection,
     CopyItem,
@@ -26,9 +35,8 @@ from kvhandoff.machines.ec.meta import (
     ECWorkerMeta,
 )
 from kvhandoff.machines.ec.nixl_gate import require_nixl
-from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, REGION_KIND
+from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, RegionCtx, Register, Shutdown
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.machines.runtime.clock import Clock, real_clock
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.errors import LocalProtocolError
@@ -48,7 +56,6 @@ class ECWorker:
         *,
         tp_rank: int = 0,
         pcp_rank: int = 0,
-        clock: Clock = real_clock,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
@@ -57,11 +64,11 @@ class ECWorker:
             require_nixl()
         self.layout = layout
         self.is_writer = tp_rank == 0 and pcp_rank == 0
-        self.bus = EventBus(clock)
+        self.bus = EventBus()
         self.bus.register(EC_WORKER_REGION)
         self.bus.register(EC_COPY_BATCH)
         self.bus.handle(CopyLanded, self._landed)
-        self._region = self.bus.create(REGION_KIND, _REGION_KEY, writer=self.is_writer)
+        self._region: Instance[RegionCtx] | None = None  # created by its first event
         self._batch_ids = itertools.count(1)
         self._pending_saves: dict[str, CopyItem] = {}
         self._abandoned: list[str] = []
@@ -71,38 +78,48 @@ class ECWorker:
 
     # -- lifecycle of the region -----------------------------------------------------------
 
-    def register_caches(self, region_base_addr: int = 0, region_bytes: int | None = None) -> None:
+    def register_caches(self, region_base_addr: int, region_bytes: int | None, now: float) -> None:
         """The region adapter mapped the shared region at `region_base_addr`."""
         if region_bytes is not None and region_bytes < self.layout.region_bytes:
             raise LocalProtocolError(
                 f"region of {region_bytes} bytes cannot hold {self.layout.num_blocks} blocks "
                 f"of {self.layout.block_size_bytes} bytes"
             )
-        self.bus.dispatch(REGION_KIND, _REGION_KEY, "register", region_base_addr)
+        self._region_at(now)
+        self.bus.dispatch(EC_WORKER_REGION, _REGION_KEY, Register(region_base_addr), now)
 
-    def shutdown(self) -> None:
+    def shutdown(self, now: float) -> None:
         """Close the region (`CloseRegion`; the writer also unlinks it). Idempotent."""
-        if self.bus.get(REGION_KIND, _REGION_KEY) is not None:
-            self.bus.dispatch(REGION_KIND, _REGION_KEY, "shutdown")
+        region = self._region_at(now)
+        if self.bus.get(EC_WORKER_REGION, _REGION_KEY) is region:
+            self.bus.dispatch(EC_WORKER_REGION, _REGION_KEY, Shutdown(), now)
+
+    def _region_at(self, now: float) -> Instance[RegionCtx]:
+        if self._region is None:
+            ctx = RegionCtx(_REGION_KEY, writer=self.is_writer)
+            self._region = self.bus.create(EC_WORKER_REGION, ctx, now)
+        return self._region
 
     def _require_registered(self, what: str) -> None:
-        if self._region.state != "registered":
+        region = self._region
+        if region is None or not region.has("usable"):
+            state = "unregistered" if region is None else region.state
             raise LocalProtocolError(
-                f"ECWorker.{what}: the region is {self._region.state}; call register_caches "
+                f"ECWorker.{what}: the region is {state}; call register_caches "
                 "first (and not after shutdown)"
             )
 
     # -- one engine step ---------------------------------------------------------------
 
-    def start_load_caches(self, meta: ECConnectorMeta) -> None:
+    def start_load_caches(self, meta: ECConnectorMeta, now: float) -> None:
         """Submit this step's loads; remember where this step's saves go."""
         self._require_registered("start_load_caches")
         self._abandoned.extend(self._pending_saves)  # a step that never reported
         self._pending_saves = {item.mm_hash: item for item in meta.saves} if self.is_writer else {}
         if meta.loads:
-            self._submit("load", meta.loads)
+            self._submit("load", meta.loads, now)
 
-    def save_caches(self, mm_hashes: Iterable[str] | None = None) -> None:
+    def save_caches(self, now: float, mm_hashes: Iterable[str] | None = None) -> None:
         """Submit saves of this step's encoder outputs (all, or those named). Only the
         writer rank writes (R-E03); on other ranks this does nothing."""
         self._require_registered("save_caches")
@@ -114,21 +131,21 @@ class ECWorker:
             raise LocalProtocolError(f"ECWorker.save_caches: no save was planned for {unknown}")
         items = tuple(self._pending_saves.pop(h) for h in names)
         if items:
-            self._submit("save", items)
+            self._submit("save", items, now)
 
-    def _submit(self, direction: CopyDirection, items: tuple[CopyItem, ...]) -> int:
+    def _submit(self, direction: CopyDirection, items: tuple[CopyItem, ...], now: float) -> int:
         batch_id = next(self._batch_ids)
-        self.bus.create(COPY_BATCH_KIND, batch_id, direction=direction, items=items)
-        self.bus.dispatch(COPY_BATCH_KIND, batch_id, "submit")
+        self.bus.create(EC_COPY_BATCH, BatchCtx(batch_id, direction=direction, items=items), now)
+        self.bus.dispatch(EC_COPY_BATCH, batch_id, Submit(), now)
         return batch_id
 
     # -- events from the copy engine ---------------------------------------------------
 
-    def on_copy_done(self, batch_id: int, ok: bool = True) -> None:
+    def on_copy_done(self, batch_id: int, now: float, ok: bool = True) -> None:
         """The copy adapter saw batch `batch_id`'s end event fire (or the copy failed)."""
-        self.bus.dispatch(COPY_BATCH_KIND, batch_id, "end_event" if ok else "copy_failed")
+        self.bus.dispatch(EC_COPY_BATCH, batch_id, EndEvent() if ok else CopyFailed(), now)
 
-    def _landed(self, inst: Instance, effect: CopyLanded) -> None:
+    def _landed(self, inst: Instance[BatchCtx] | None, effect: CopyLanded) -> None:
         if not effect.ok:
             self._landed_failed.update(effect.mm_hashes)
         elif effect.direction == "save":
@@ -138,22 +155,21 @@ class ECWorker:
 
     # -- reports -------------------------------------------------------------------------
 
-    def build_connector_worker_meta(self) -> ECWorkerMeta:
+    def build_connector_worker_meta(self, now: float) -> ECWorkerMeta:
         """Report landed batches and abandoned saves to the scheduler (R-E05)."""
         saved: list[str] = []
         loaded: list[str] = []
         failed_saves: list[str] = [*self._abandoned, *self._pending_saves]
         failed_loads: list[str] = []
         self._pending_saves, self._abandoned = {}, []
-        for inst in self.bus.instances(COPY_BATCH_KIND):
-            if inst.state != "end_event_seen":
-                continue
-            names = [item.mm_hash for item in inst.ctx.items]
-            if inst.ctx.direction == "save":
-                (saved if inst.ctx.ok else failed_saves).extend(names)
+        for inst in self.bus.tagged(EC_COPY_BATCH, "reportable"):
+            ctx = inst.ctx
+            names = [item.mm_hash for item in ctx.items]
+            if ctx.direction == "save":
+                (saved if ctx.ok else failed_saves).extend(names)
             else:
-                (loaded if inst.ctx.ok else failed_loads).extend(names)
-            self.bus.dispatch(COPY_BATCH_KIND, inst.key, "report")
+                (loaded if ctx.ok else failed_loads).extend(names)
+            self.bus.dispatch(EC_COPY_BATCH, inst.key, Report(), now)
         return ECWorkerMeta(tuple(saved), tuple(loaded), tuple(failed_saves), tuple(failed_loads))
 
     def get_finished(self) -> ECFinished:
@@ -170,7 +186,7 @@ class ECWorker:
 
     def in_flight(self) -> int:
         """Batches submitted whose end event has not been seen yet."""
-        return sum(1 for inst in self.bus.instances(COPY_BATCH_KIND) if inst.state == "submitted")
+        return len(self.bus.tagged(EC_COPY_BATCH, "in_flight"))
 
     def drain_effects(self) -> list[object]:
         """Effects no adapter handler took (`CopyBlocks`, `CloseRegion`), in order."""

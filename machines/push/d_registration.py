@@ -15,22 +15,44 @@ One instance per decode request, keyed by D's request id, on D's main-thread bus
 - The watchdog spans every state until the receive is reported: on expiry the registration
   is dropped with a warning and never re-sent; the request stays awaiting its KV until
   the engine's own abort path fails it (R-P10).
+
+`Completion` and `WriteFailed` come from P: one the state does not declare (a `PUSH_FAIL`
+after the last completion, a completion after a `PUSH_FAIL`, a duplicate after the
+request ended) is a `RemoteProtocolError` that changes nothing. Tags: `drainable` (the
+next connector meta carries it), `reg_unsent` (its `PUSH_REG` has not left yet),
+`needs_heartbeat` (D keeps P's lease alive for it), `confirmable` (reported to the
+engine, awaiting `update_connector_output`), `abortable` (the engine's abort path ends
+it; once its receive is reported there is nothing left to abort), `unreported` (ended
+without a report: the engine's abort path must fail it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvhandoff.machines.push.effects import (
     EnqueueRegistration,
-    FailedRecving,
-    FinishedRecving,
     QueueEviction,
+    ReportFailedRecving,
+    ReportFinishedRecving,
     Warn,
 )
+from kvhandoff.machines.push.events import (
+    Abort,
+    Completion,
+    Drained,
+    Enqueued,
+    FinishedRecving,
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeStarted,
+    RegSent,
+    SendFailed,
+    WatchdogExpired,
+    WriteFailed,
+)
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
-from kvhandoff.machines.runtime.effects import Metric
+from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.protocol.push_wire import PushRegistration
 
 KIND = "push.d_registration"
@@ -38,107 +60,117 @@ KIND = "push.d_registration"
 
 @dataclass(slots=True)
 class DRegistrationCtx:
+    key: str
     registration: PushRegistration
     completions_needed: int = 1
     completions_seen: int = 0
 
 
 WATCHDOG = Timeout(
-    "push_registration_timeout", "expired", "watchdog_expired", action="drop_registration"
+    "push_registration_timeout", "expired", WatchdogExpired, action="drop_registration"
 )
 
 
-def enqueue(inst: Any, payload: Any) -> list[object]:
-    ctx: DRegistrationCtx = inst.ctx
-    return [EnqueueRegistration(inst.key, ctx.registration)]
+def enqueue(ctx: DRegistrationCtx, event: Enqueued) -> list[Effect]:
+    return [EnqueueRegistration(ctx.key, ctx.registration)]
 
 
-def count_completion(inst: Any, payload: Any) -> None:
-    inst.ctx.completions_seen += 1
+def count_completion(ctx: DRegistrationCtx, event: Completion) -> None:
+    ctx.completions_seen += 1
 
 
-def last_completion(inst: Any, payload: Any) -> bool:
-    ctx: DRegistrationCtx = inst.ctx
+def last_completion(ctx: DRegistrationCtx, event: Completion) -> bool:
     return ctx.completions_seen + 1 >= ctx.completions_needed
 
 
-def finish_recv(inst: Any, payload: Any) -> list[object]:
-    inst.ctx.completions_seen += 1
-    return [FinishedRecving(inst.key)]
+def finish_recv(ctx: DRegistrationCtx, event: Completion) -> list[Effect]:
+    ctx.completions_seen += 1
+    return [ReportFinishedRecving(ctx.key)]
 
 
-def fail_recv(inst: Any, payload: Any) -> list[object]:
-    ctx: DRegistrationCtx = inst.ctx
-    reason = str(payload) if payload else "push registration failed"
+def fail_recv(
+    ctx: DRegistrationCtx, event: HandshakeFailed | SendFailed | WriteFailed
+) -> list[Effect]:
+    reason = "push registration failed"
+    if isinstance(event, WriteFailed) and event.reason:
+        reason = event.reason
     return [
-        FailedRecving(inst.key, ctx.registration.block_ids, reason),
-        QueueEviction(inst.key),
+        ReportFailedRecving(ctx.key, ctx.registration.block_ids, reason),
+        QueueEviction(ctx.key),
         Metric("push.d.failed_recv"),
     ]
 
 
-def drop_registration(inst: Any, payload: Any) -> list[object]:
+def drop_registration(ctx: DRegistrationCtx, event: WatchdogExpired) -> list[Effect]:
     return [
-        Warn(inst.key, "push registration watchdog expired; dropped, not re-sent"),
-        QueueEviction(inst.key),
+        Warn(ctx.key, "push registration watchdog expired; dropped, not re-sent"),
+        QueueEviction(ctx.key),
         Metric("push.d.watchdog_expired"),
     ]
 
 
-def drop_aborted(inst: Any, payload: Any) -> list[object]:
-    return [QueueEviction(inst.key)]
+def drop_aborted(ctx: DRegistrationCtx, event: Abort) -> list[Effect]:
+    return [QueueEviction(ctx.key)]
 
 
 _IN_FLIGHT = ["queued", "awaiting_handshake", "sent"]
 
-D_REGISTRATION = Declaration(
+D_REGISTRATION: Declaration[DRegistrationCtx] = Declaration(
     name=KIND,
     description=__doc__ or "",
     states=[
-        {"name": "stashed", "timeout": WATCHDOG},
-        {"name": "in_meta", "timeout": WATCHDOG},
-        {"name": "queued", "timeout": WATCHDOG},
-        {"name": "awaiting_handshake", "timeout": WATCHDOG},
-        {"name": "sent", "timeout": WATCHDOG},
-        {"name": "reported"},
+        {
+            "name": "stashed",
+            "timeout": WATCHDOG,
+            "tags": ("drainable", "reg_unsent", "abortable"),
+        },
+        {"name": "in_meta", "timeout": WATCHDOG, "tags": ("reg_unsent", "abortable")},
+        {"name": "queued", "timeout": WATCHDOG, "tags": ("reg_unsent", "abortable")},
+        {
+            "name": "awaiting_handshake",
+            "timeout": WATCHDOG,
+            "tags": ("reg_unsent", "abortable"),
+        },
+        {"name": "sent", "timeout": WATCHDOG, "tags": ("needs_heartbeat", "abortable")},
+        {"name": "reported", "tags": ("confirmable",)},
         {"name": "received", "final": True},
-        {"name": "expired", "final": True},
+        {"name": "expired", "final": True, "tags": ("unreported",)},
         {"name": "failed", "final": True},
-        {"name": "aborted", "final": True},
+        {"name": "aborted", "final": True, "tags": ("unreported",)},
     ],
     initial="stashed",
     transitions=[
-        {"trigger": "drained", "source": "stashed", "dest": "in_meta"},
-        {"trigger": "enqueued", "source": "in_meta", "dest": "queued", "after": "enqueue"},
-        {"trigger": "handshake_started", "source": "queued", "dest": "awaiting_handshake"},
-        {"trigger": "handshake_done", "source": "awaiting_handshake", "dest": "queued"},
+        {"trigger": Drained, "source": "stashed", "dest": "in_meta"},
+        {"trigger": Enqueued, "source": "in_meta", "dest": "queued", "after": "enqueue"},
+        {"trigger": HandshakeStarted, "source": "queued", "dest": "awaiting_handshake"},
+        {"trigger": HandshakeDone, "source": "awaiting_handshake", "dest": "queued"},
         {
-            "trigger": "handshake_failed",
+            "trigger": HandshakeFailed,
             "source": ["queued", "awaiting_handshake"],
             "dest": "failed",
             "after": "fail_recv",
         },
-        {"trigger": "reg_sent", "source": "queued", "dest": "sent"},
-        {"trigger": "send_failed", "source": "queued", "dest": "failed", "after": "fail_recv"},
+        {"trigger": RegSent, "source": "queued", "dest": "sent"},
+        {"trigger": SendFailed, "source": "queued", "dest": "failed", "after": "fail_recv"},
         {
-            "trigger": "completion",
+            "trigger": Completion,
             "source": "sent",
             "dest": "reported",
             "conditions": "last_completion",
             "after": "finish_recv",
         },
-        {"trigger": "completion", "source": "sent", "dest": None, "after": "count_completion"},
-        {"trigger": "write_failed", "source": _IN_FLIGHT, "dest": "failed", "after": "fail_recv"},
-        {"trigger": "finished_recving", "source": "reported", "dest": "received"},
+        {"trigger": Completion, "source": "sent", "dest": None, "after": "count_completion"},
+        {"trigger": WriteFailed, "source": _IN_FLIGHT, "dest": "failed", "after": "fail_recv"},
+        {"trigger": FinishedRecving, "source": "reported", "dest": "received"},
         {
-            "trigger": "abort",
+            "trigger": Abort,
             "source": ["stashed", "in_meta", *_IN_FLIGHT],
             "dest": "aborted",
             "after": "drop_aborted",
         },
     ],
     # A duplicated completion after the last one changes nothing.
-    ignore=[("reported", "completion")],
+    ignore=[("reported", Completion)],
     callbacks={
         "enqueue": enqueue,
         "count_completion": count_completion,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvhandoff.machines.runtime.effects import Effect
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.legs import PullSource
 from kvhandoff.protocol.notifs import Notif
 from kvhandoff.protocol.push_wire import PushRegistration
@@ -18,7 +20,7 @@ from kvhandoff.protocol.push_wire import PushRegistration
 
 
 @dataclass(frozen=True, slots=True)
-class EnqueueRegistration:
+class EnqueueRegistration(Effect):
     """D worker: put (request_id, registration) on the reg-send inbox (R-P02)."""
 
     request_id: str
@@ -26,7 +28,7 @@ class EnqueueRegistration:
 
 
 @dataclass(frozen=True, slots=True)
-class EnqueueFinishedBlocks:
+class EnqueueFinishedBlocks(Effect):
     """P worker: put (request_id, block_ids) on the finished-blocks inbox (R-P03)."""
 
     request_id: str
@@ -34,33 +36,34 @@ class EnqueueFinishedBlocks:
 
 
 @dataclass(frozen=True, slots=True)
-class QueueEviction:
+class QueueEviction(Effect):
     """Put request_id on the evict-finished inbox: the writer drops its stale state (R-P09)."""
 
     request_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class WakeWriter:
+class WakeWriter(Effect):
     """Set the writer's wake event (R-P07)."""
 
 
 @dataclass(frozen=True, slots=True)
-class PollTransfer:
-    """P main thread: check a posted WRITE's state and report write_done / write_error."""
+class PollTransfer(Effect):
+    """Main thread: check a posted WRITE's (or pull READ's) transfer status and report
+    `WriteDone` / `WriteError` (`ReadDone` / `ReadError`)."""
 
     request_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseTransfer:
+class ReleaseTransfer(Effect):
     """P main thread: a WRITE timed out; release its handle (NIXL cancels it in flight)."""
 
     request_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class SendHeartbeat:
+class SendHeartbeat(Effect):
     """D main thread: send `HB:<ids>` to the prefill engine (R-P08, R-P15)."""
 
     engine_id: str
@@ -71,14 +74,14 @@ class SendHeartbeat:
 
 
 @dataclass(frozen=True, slots=True)
-class FinishedRecving:
+class ReportFinishedRecving(Effect):
     """D: the request's KV arrived; reported by get_finished (R-P09)."""
 
     request_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class FailedRecving:
+class ReportFailedRecving(Effect):
     """D: the pre-allocated blocks are invalid; the receive failed (R-P12, B-06)."""
 
     request_id: str
@@ -87,14 +90,14 @@ class FailedRecving:
 
 
 @dataclass(frozen=True, slots=True)
-class FinishedSending:
+class ReportFinishedSending(Effect):
     """P: the blocks may be freed (WRITE done or lease reaped) (R-P09, R-P11)."""
 
     request_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class Warn:
+class Warn(Effect):
     """Log a warning once, with the request it concerns."""
 
     request_id: str
@@ -105,7 +108,7 @@ class Warn:
 
 
 @dataclass(frozen=True, slots=True)
-class StartHandshake:
+class StartHandshake(Effect):
     """Run the side-channel handshake with `engine_id` on the handshake executor (R-P05)."""
 
     engine_id: str
@@ -114,14 +117,14 @@ class StartHandshake:
 
 
 @dataclass(frozen=True, slots=True)
-class DropRemoteAgent:
+class DropRemoteAgent(Effect):
     """Forget a remote agent whose peer was lost, so the next use re-handshakes (B-08)."""
 
     engine_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class SendPushReg:
+class SendPushReg(Effect):
     """D writer: send_notif `PUSH_REG:<msgpack>` to P's agent; report reg_sent / send_failed."""
 
     request_id: str
@@ -129,7 +132,7 @@ class SendPushReg:
 
 
 @dataclass(frozen=True, slots=True)
-class IssueWrite:
+class IssueWrite(Effect):
     """P writer: NIXL WRITE `block_ids` into D's registered blocks (R-P06).
 
     The executor expands D's logical ids with the ratio learnt in the handshake, posts the
@@ -144,7 +147,7 @@ class IssueWrite:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayRegistration:
+class ReplayRegistration(Effect):
     """Handshake done: re-queue a deferred registration on the reg-send inbox (R-P05)."""
 
     request_id: str
@@ -152,7 +155,7 @@ class ReplayRegistration:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayPush:
+class ReplayPush(Effect):
     """Handshake done: re-queue a matched push on the deferred-push inbox (R-P05)."""
 
     request_id: str
@@ -162,7 +165,7 @@ class ReplayPush:
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardToMain:
+class ForwardToMain(Effect):
     """Put a HB / completion / WRITE-failed notif on the pending-completion-notifs queue."""
 
     notif: Notif
@@ -170,22 +173,24 @@ class ForwardToMain:
 
 
 @dataclass(frozen=True, slots=True)
-class ReportToMain:
-    """Tell the main thread's lifecycle `request_id` that `event` happened on the writer."""
+class ReportToMain(Effect):
+    """Tell the main thread's lifecycle `request_id` that `event` happened on the writer;
+    `peer` names the agent whose input provoked it, for a peer event (`Matched`)."""
 
     request_id: str
-    event: str
+    event: Event
+    peer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class ArmSelfPoll:
+class ArmSelfPoll(Effect):
     """P finished blocks wait for a PUSH_REG: poll notifs every `interval_s` (R-P07)."""
 
     interval_s: float
 
 
 @dataclass(frozen=True, slots=True)
-class DisarmSelfPoll:
+class DisarmSelfPoll(Effect):
     """Nothing waits for a PUSH_REG any more: block on the wake event again (R-P07)."""
 
 
@@ -193,7 +198,7 @@ class DisarmSelfPoll:
 
 
 @dataclass(frozen=True, slots=True)
-class EnqueueRead:
+class EnqueueRead(Effect):
     """D worker: hand a pull read to the writer thread (it goes through the handshake)."""
 
     request_id: str
@@ -202,7 +207,7 @@ class EnqueueRead:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayRead:
+class ReplayRead(Effect):
     """Handshake done: re-queue a deferred pull read on the pull-read inbox."""
 
     request_id: str
@@ -211,7 +216,7 @@ class ReplayRead:
 
 
 @dataclass(frozen=True, slots=True)
-class IssueRead:
+class IssueRead(Effect):
     """D writer: NIXL READ P's blocks into D's, with completion notif to P; report
     read_posted or read_submit_failed."""
 

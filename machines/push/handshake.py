@@ -13,12 +13,16 @@ and never blocks the writer; its callback only posts the result and wakes the wr
 - `failed` (or the declared handshake timeout) reports `handshake_failed` for every
   deferred operation: no retry loop. A later operation may start a fresh handshake.
 - `peer_lost` forgets the remote agent, so the next operation re-handshakes (B-08).
+
+Every event here is local: the result comes from our own handshake job (late results of
+a superseded handshake are declared ignored), a lost peer from our own failed send.
+Tags: `deferring` (operations wait for the handshake in progress), `peer_ready`
+(connected: operations proceed at once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvhandoff.machines.push.effects import (
     DropRemoteAgent,
@@ -28,8 +32,10 @@ from kvhandoff.machines.push.effects import (
     ReportToMain,
     StartHandshake,
 )
+from kvhandoff.machines.push.events import HandshakeDone, HandshakeFailed, HandshakeStarted
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
-from kvhandoff.machines.runtime.effects import Metric
+from kvhandoff.machines.runtime.effects import Effect, Metric
+from kvhandoff.machines.runtime.events import Event
 
 KIND = "push.handshake"
 
@@ -38,14 +44,42 @@ DeferredOp = ReplayRegistration | ReplayPush | ReplayRead
 
 @dataclass(slots=True)
 class HandshakeCtx:
+    key: str
     host: str
     port: int
     deferred: list[DeferredOp] = field(default_factory=list)
 
 
-def _defer(inst: Any, op: DeferredOp) -> list[object]:
-    inst.ctx.deferred.append(op)
-    return [ReportToMain(op.request_id, "handshake_started")]
+@dataclass(frozen=True, slots=True)
+class Ensure(Event):
+    """An operation needs the peer connected: proceed, or defer it to the handshake."""
+
+    op: DeferredOp
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded(Event):
+    """The handshake job connected the peer's agent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(Event):
+    """The handshake job failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost(Event):
+    """A send or WRITE found the peer gone (B-08)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeTimeout(Event):
+    """No result within `handshake_timeout`."""
+
+
+def _defer(ctx: HandshakeCtx, op: DeferredOp) -> list[Effect]:
+    ctx.deferred.append(op)
+    return [ReportToMain(op.request_id, HandshakeStarted())]
 
 
 def endpoint(op: DeferredOp) -> tuple[str, int]:
@@ -57,79 +91,74 @@ def endpoint(op: DeferredOp) -> tuple[str, int]:
     return op.source.prefill.host, op.source.prefill.port
 
 
-def start(inst: Any, op: DeferredOp) -> list[object]:
-    ctx: HandshakeCtx = inst.ctx
-    ctx.host, ctx.port = endpoint(op)
-    return [StartHandshake(inst.key, ctx.host, ctx.port), *_defer(inst, op)]
+def start(ctx: HandshakeCtx, event: Ensure) -> list[Effect]:
+    ctx.host, ctx.port = endpoint(event.op)
+    return [StartHandshake(ctx.key, ctx.host, ctx.port), *_defer(ctx, event.op)]
 
 
-def defer(inst: Any, op: DeferredOp) -> list[object]:
-    return _defer(inst, op)
+def defer(ctx: HandshakeCtx, event: Ensure) -> list[Effect]:
+    return _defer(ctx, event.op)
 
 
-def replay_now(inst: Any, op: DeferredOp) -> list[object]:
-    return [op]
+def replay_now(ctx: HandshakeCtx, event: Ensure) -> list[Effect]:
+    return [event.op]
 
 
-def replay_deferred(inst: Any, payload: Any) -> list[object]:
-    ops, inst.ctx.deferred = inst.ctx.deferred, []
-    reports: list[object] = [ReportToMain(op.request_id, "handshake_done") for op in ops]
+def replay_deferred(ctx: HandshakeCtx, event: Succeeded) -> list[Effect]:
+    ops, ctx.deferred = ctx.deferred, []
+    reports: list[Effect] = [ReportToMain(op.request_id, HandshakeDone()) for op in ops]
     return [*reports, *ops, Metric("push.handshake.succeeded")]
 
 
-def fail_deferred(inst: Any, payload: Any) -> list[object]:
-    ops, inst.ctx.deferred = inst.ctx.deferred, []
-    reports: list[object] = [ReportToMain(op.request_id, "handshake_failed") for op in ops]
+def fail_deferred(ctx: HandshakeCtx, event: Failed | HandshakeTimeout) -> list[Effect]:
+    ops, ctx.deferred = ctx.deferred, []
+    reports: list[Effect] = [ReportToMain(op.request_id, HandshakeFailed()) for op in ops]
     return [*reports, Metric("push.handshake.failed")]
 
 
-def forget_agent(inst: Any, payload: Any) -> list[object]:
-    return [DropRemoteAgent(inst.key)]
+def forget_agent(ctx: HandshakeCtx, event: PeerLost) -> list[Effect]:
+    return [DropRemoteAgent(ctx.key)]
 
 
-HANDSHAKE = Declaration(
+HANDSHAKE: Declaration[HandshakeCtx] = Declaration(
     name=KIND,
     description=__doc__ or "",
     states=[
         "idle",
         {
             "name": "in_progress",
-            "timeout": Timeout("handshake_timeout", "failed", "handshake_timeout", "fail_deferred"),
+            "tags": ("deferring",),
+            "timeout": Timeout("handshake_timeout", "failed", HandshakeTimeout, "fail_deferred"),
         },
-        "connected",
+        {"name": "connected", "tags": ("peer_ready",)},
         "failed",
     ],
     initial="idle",
     transitions=[
+        {"trigger": Ensure, "source": ["idle", "failed"], "dest": "in_progress", "after": "start"},
+        {"trigger": Ensure, "source": "in_progress", "dest": None, "after": "defer"},
+        {"trigger": Ensure, "source": "connected", "dest": None, "after": "replay_now"},
         {
-            "trigger": "ensure",
-            "source": ["idle", "failed"],
-            "dest": "in_progress",
-            "after": "start",
-        },
-        {"trigger": "ensure", "source": "in_progress", "dest": None, "after": "defer"},
-        {"trigger": "ensure", "source": "connected", "dest": None, "after": "replay_now"},
-        {
-            "trigger": "succeeded",
+            "trigger": Succeeded,
             "source": "in_progress",
             "dest": "connected",
             "after": "replay_deferred",
         },
-        {"trigger": "failed", "source": "in_progress", "dest": "failed", "after": "fail_deferred"},
-        {"trigger": "peer_lost", "source": "connected", "dest": "idle", "after": "forget_agent"},
+        {"trigger": Failed, "source": "in_progress", "dest": "failed", "after": "fail_deferred"},
+        {"trigger": PeerLost, "source": "connected", "dest": "idle", "after": "forget_agent"},
     ],
     # Late results of a handshake that already timed out or was superseded (a newer one
     # connected, or the peer was lost since), and losses of unknown peers.
     ignore=[
-        ("failed", "succeeded"),
-        ("failed", "failed"),
-        ("connected", "succeeded"),
-        ("connected", "failed"),
-        ("idle", "succeeded"),
-        ("idle", "failed"),
-        ("idle", "peer_lost"),
-        ("failed", "peer_lost"),
-        ("in_progress", "peer_lost"),
+        ("failed", Succeeded),
+        ("failed", Failed),
+        ("connected", Succeeded),
+        ("connected", Failed),
+        ("idle", Succeeded),
+        ("idle", Failed),
+        ("idle", PeerLost),
+        ("failed", PeerLost),
+        ("in_progress", PeerLost),
     ],
     callbacks={
         "start": start,

@@ -13,78 +13,105 @@ One instance per prefill request, keyed by P's request id, on P's main-thread bu
   lease runs out at its deadline instead of living on until D's watchdog.
 - While the WRITE is in flight the lease is suspended (freeing blocks under a DMA would
   corrupt D) and a write timeout guards it instead; get_finished polls the transfer.
+  The main thread applies the writer's reports before its time moves on, so a WRITE the
+  writer posted while the lease stood always suspends the lease before the lease can
+  expire; the report lands in `posted` (suspended, no timeout yet) and the first poll,
+  at the main thread's own time, moves it to `writing` and starts the write timeout.
 - A finished WRITE, or an expired lease (reaped in deadline order, B-07), reports
   `finished_sending` and queues the request on the evict inbox (R-P09); the scheduler's
   `update_connector_output(finished_sending)` clears the lease.
+
+`Heartbeat` (D's `HB:` notif) and `Matched` (D's `PUSH_REG` met the blocks) come from D:
+one the state does not declare is a `RemoteProtocolError` that changes nothing. Tags:
+`drainable` (the next connector meta carries the blocks), `heartbeat_extends` (D's
+heartbeats extend the lease), `pollable` (a WRITE is posted: get_finished polls it),
+`confirmable` (reported to the engine, awaiting `update_connector_output`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvhandoff.machines.push.effects import (
     EnqueueFinishedBlocks,
-    FinishedSending,
     PollTransfer,
     QueueEviction,
     ReleaseTransfer,
+    ReportFinishedSending,
     Warn,
 )
+from kvhandoff.machines.push.events import (
+    FinishedSending,
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeStarted,
+    Heartbeat,
+    LeaseExpired,
+    Matched,
+    Poll,
+    Staged,
+    WriteDone,
+    WriteError,
+    WritePosted,
+    WriteSubmitFailed,
+    WriteTimeout,
+)
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
-from kvhandoff.machines.runtime.effects import ExtendDeadline, Metric
+from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 
 KIND = "push.p_lease"
 
 
 @dataclass(slots=True)
 class PLeaseCtx:
+    key: str
     block_ids: tuple[int, ...]
     lease_extension: float = 20.0
 
 
-LEASE = Timeout("kv_lease_duration", "expired", "lease_expired", action="reap")
-WRITE_TIMEOUT = Timeout(
-    "push_write_timeout", "write_failed", "write_timeout", action="abandon_write"
-)
+LEASE = Timeout("kv_lease_duration", "expired", LeaseExpired, action="reap")
+WRITE_TIMEOUT = Timeout("push_write_timeout", "write_failed", WriteTimeout, action="abandon_write")
 
 
-def stage(inst: Any, payload: Any) -> list[object]:
-    ctx: PLeaseCtx = inst.ctx
-    return [EnqueueFinishedBlocks(inst.key, ctx.block_ids)]
+def stage(ctx: PLeaseCtx, event: Staged) -> list[Effect]:
+    return [EnqueueFinishedBlocks(ctx.key, ctx.block_ids)]
 
 
-def extend_lease(inst: Any, payload: Any) -> list[object]:
-    return [ExtendDeadline(inst.ctx.lease_extension)]
+def extend_lease(ctx: PLeaseCtx, event: Heartbeat) -> list[Effect]:
+    return [ExtendDeadline(ctx.lease_extension)]
 
 
-def poll(inst: Any, payload: Any) -> list[object]:
-    return [PollTransfer(inst.key)]
+def poll(ctx: PLeaseCtx, event: Poll) -> list[Effect]:
+    return [PollTransfer(ctx.key)]
 
 
-def log_handshake_failed(inst: Any, payload: Any) -> list[object]:
+def log_handshake_failed(ctx: PLeaseCtx, event: HandshakeFailed) -> list[Effect]:
     return [
-        Warn(inst.key, "push_handshake_failed: dropped, no requeue"),
+        Warn(ctx.key, "push_handshake_failed: dropped, no requeue"),
         Metric("push.p.handshake_failed"),
     ]
 
 
-def count_failed(inst: Any, payload: Any) -> list[object]:
+def count_failed(ctx: PLeaseCtx, event: WriteSubmitFailed | WriteError) -> list[Effect]:
     return [Metric("push.p.failed_transfers")]
 
 
-def abandon_write(inst: Any, payload: Any) -> list[object]:
+def abandon_write(ctx: PLeaseCtx, event: WriteTimeout) -> list[Effect]:
     # The handle must not outlive the wait: released, the WRITE cannot land after the
     # lease frees the blocks it reads.
-    return [ReleaseTransfer(inst.key), Metric("push.p.failed_transfers")]
+    return [ReleaseTransfer(ctx.key), Metric("push.p.failed_transfers")]
 
 
-def done_sending(inst: Any, payload: Any) -> list[object]:
-    return [FinishedSending(inst.key), QueueEviction(inst.key), Metric("push.p.sent")]
+def done_sending(ctx: PLeaseCtx, event: WriteDone) -> list[Effect]:
+    return [ReportFinishedSending(ctx.key), QueueEviction(ctx.key), Metric("push.p.sent")]
 
 
-def reap(inst: Any, payload: Any) -> list[object]:
-    return [FinishedSending(inst.key), QueueEviction(inst.key), Metric("push.p.lease_expired")]
+def reap(ctx: PLeaseCtx, event: LeaseExpired) -> list[Effect]:
+    return [
+        ReportFinishedSending(ctx.key),
+        QueueEviction(ctx.key),
+        Metric("push.p.lease_expired"),
+    ]
 
 
 _LEASED = ["finished", "staged", "matched", "awaiting_handshake"]
@@ -92,55 +119,58 @@ _LEASED = ["finished", "staged", "matched", "awaiting_handshake"]
 # the lease to reclaim them, so D's heartbeats no longer extend it.
 _GIVEN_UP = ["handshake_failed", "write_failed"]
 
-P_LEASE = Declaration(
+P_LEASE: Declaration[PLeaseCtx] = Declaration(
     name=KIND,
     description=__doc__ or "",
     states=[
-        {"name": "finished", "timeout": LEASE},
-        {"name": "staged", "timeout": LEASE},
-        {"name": "matched", "timeout": LEASE},
-        {"name": "awaiting_handshake", "timeout": LEASE},
+        {"name": "finished", "timeout": LEASE, "tags": ("drainable", "heartbeat_extends")},
+        {"name": "staged", "timeout": LEASE, "tags": ("heartbeat_extends",)},
+        {"name": "matched", "timeout": LEASE, "tags": ("heartbeat_extends",)},
+        {"name": "awaiting_handshake", "timeout": LEASE, "tags": ("heartbeat_extends",)},
         {"name": "handshake_failed", "timeout": LEASE},
-        {"name": "writing", "timeout": WRITE_TIMEOUT},
+        {"name": "posted", "tags": ("pollable",)},
+        {"name": "writing", "timeout": WRITE_TIMEOUT, "tags": ("pollable",)},
         {"name": "write_failed", "timeout": LEASE},
-        {"name": "reported"},
+        {"name": "reported", "tags": ("confirmable",)},
         {"name": "sent", "final": True},
         {"name": "expired", "final": True},
     ],
     initial="finished",
     transitions=[
-        {"trigger": "staged", "source": "finished", "dest": "staged", "after": "stage"},
-        {"trigger": "matched", "source": "staged", "dest": "matched"},
-        {"trigger": "handshake_started", "source": "matched", "dest": "awaiting_handshake"},
-        {"trigger": "handshake_done", "source": "awaiting_handshake", "dest": "matched"},
+        {"trigger": Staged, "source": "finished", "dest": "staged", "after": "stage"},
+        {"trigger": Matched, "source": "staged", "dest": "matched"},
+        {"trigger": HandshakeStarted, "source": "matched", "dest": "awaiting_handshake"},
+        {"trigger": HandshakeDone, "source": "awaiting_handshake", "dest": "matched"},
         {
-            "trigger": "handshake_failed",
+            "trigger": HandshakeFailed,
             "source": ["matched", "awaiting_handshake"],
             "dest": "handshake_failed",
             "after": "log_handshake_failed",
         },
-        {"trigger": "write_posted", "source": "matched", "dest": "writing"},
+        {"trigger": WritePosted, "source": "matched", "dest": "posted"},
         {
-            "trigger": "write_submit_failed",
+            "trigger": WriteSubmitFailed,
             "source": "matched",
             "dest": "write_failed",
             "after": "count_failed",
         },
-        {"trigger": "poll", "source": "writing", "dest": None, "after": "poll"},
-        {"trigger": "write_done", "source": "writing", "dest": "reported", "after": "done_sending"},
+        {"trigger": Poll, "source": "posted", "dest": "writing", "after": "poll"},
+        {"trigger": Poll, "source": "writing", "dest": None, "after": "poll"},
+        {"trigger": WriteDone, "source": "writing", "dest": "reported", "after": "done_sending"},
         {
-            "trigger": "write_error",
+            "trigger": WriteError,
             "source": "writing",
             "dest": "write_failed",
             "after": "count_failed",
         },
-        {"trigger": "heartbeat", "source": _LEASED, "dest": None, "after": "extend_lease"},
-        {"trigger": "finished_sending", "source": "reported", "dest": "sent"},
+        {"trigger": Heartbeat, "source": _LEASED, "dest": None, "after": "extend_lease"},
+        {"trigger": FinishedSending, "source": "reported", "dest": "sent"},
     ],
     ignore=[
-        ("writing", "heartbeat"),
-        ("reported", "heartbeat"),
-        *((state, "heartbeat") for state in _GIVEN_UP),
+        ("posted", Heartbeat),
+        ("writing", Heartbeat),
+        ("reported", Heartbeat),
+        *((state, Heartbeat) for state in _GIVEN_UP),
     ],
     callbacks={
         "stage": stage,

@@ -1,30 +1,36 @@
 """Push-mode engine API, scheduler side: shaped like the seed's connector scheduler.
 
 The scheduler and the worker's main thread share one bus per instance; every lifecycle
-change goes through the declared machines (`push.d_registration`, `push.p_lease`).
+change goes through the declared machines (`push.d_registration`, `push.p_lease`, and in
+pull mode `pull.d_read`, `pull.p_lease`). Time is an argument: every call that changes
+state takes `now`.
 
     sched = PushScheduler(bus, role="decode", engine=local_engine)
-    sched.update_state_after_alloc("cmpl-1-0-aaaa1111", [4, 5], decode_leg_params)
-    meta = sched.build_connector_meta()          # -> meta.push_registrations
+    sched.update_state_after_alloc("cmpl-1-0-aaaa1111", [4, 5], decode_leg_params, now)
+    meta = sched.build_connector_meta(now)        # -> meta.push_registrations
     ...
-    sched.update_connector_output(worker_output)  # finished_recving clears the watchdog
+    sched.update_connector_output(worker_output, now)  # finished_recving clears the watchdog
+
+`PushConnectorMeta` (scheduler -> workers) and `PushConnectorOutput` (worker ->
+scheduler) are msgspec Structs of plain data: they can cross a process boundary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvhandoff.machines.pull.d_read import D_READ
-from kvhandoff.machines.pull.d_read import KIND as PULL_D_KIND
-from kvhandoff.machines.pull.p_lease import KIND as PULL_P_KIND
-from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.d_registration import KIND as D_KIND
-from kvhandoff.machines.push.p_lease import KIND as P_KIND
-from kvhandoff.machines.push.p_lease import P_LEASE
+import msgspec
+
+from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
+from kvhandoff.machines.pull.p_lease import PULL_P_LEASE, PullLeaseCtx
+from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx
+from kvhandoff.machines.push.events import Abort, Drained, FinishedRecving, FinishedSending
+from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.legs import (
     PrefillCoordinates,
@@ -39,7 +45,15 @@ from kvhandoff.protocol.push_wire import PushRegistration
 Role = Literal["prefill", "decode"]
 Mode = Literal["push", "pull"]
 
-KINDS: dict[Mode, tuple[str, str]] = {"push": (D_KIND, P_KIND), "pull": (PULL_D_KIND, PULL_P_KIND)}
+DKind = Declaration[Any]
+"""D's lifecycle of the mode: `D_REGISTRATION` (push) or `D_READ` (pull)."""
+PKind = Declaration[Any]
+"""P's lifecycle of the mode: `P_LEASE` (push) or `PULL_P_LEASE` (pull)."""
+
+KINDS: dict[Mode, tuple[DKind, PKind]] = {
+    "push": (D_REGISTRATION, P_LEASE),
+    "pull": (D_READ, PULL_P_LEASE),
+}
 """(D lifecycle, P lifecycle) per transfer mode."""
 
 
@@ -54,30 +68,30 @@ class LocalEngine:
     tp_rank: int = 0
 
 
-@dataclass(slots=True)
-class PushConnectorMeta:
+class PushConnectorMeta(msgspec.Struct, kw_only=True):
     """What one scheduler step hands to the workers."""
 
-    push_registrations: dict[str, PushRegistration] = field(default_factory=dict)
-    push_finished_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    pull_reads: dict[str, PullSource] = field(default_factory=dict)
+    push_registrations: dict[str, PushRegistration] = msgspec.field(default_factory=dict)
+    push_finished_blocks: dict[str, tuple[int, ...]] = msgspec.field(default_factory=dict)
+    pull_reads: dict[str, PullSource] = msgspec.field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class PushConnectorOutput:
+class PushConnectorOutput(msgspec.Struct, kw_only=True):
     """What one worker step reports back (get_finished)."""
 
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    failed_recving: dict[str, str] = field(default_factory=dict)
-    invalid_block_ids: set[int] = field(default_factory=set)
+    finished_sending: set[str] = msgspec.field(default_factory=set)
+    finished_recving: set[str] = msgspec.field(default_factory=set)
+    failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+    invalid_block_ids: set[int] = msgspec.field(default_factory=set)
 
 
 def register_push_machines(bus: EventBus, config: PushConfig) -> None:
     """Register the main-thread lifecycles of both modes on `bus` under `config`."""
     machine_config = config.machine_config()
-    for decl in (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE):
-        bus.register(decl, machine_config)
+    bus.register(D_REGISTRATION, machine_config)
+    bus.register(P_LEASE, machine_config)
+    bus.register(D_READ, machine_config)
+    bus.register(PULL_P_LEASE, machine_config)
 
 
 class PushScheduler:
@@ -101,13 +115,17 @@ class PushScheduler:
     # -- D side ----------------------------------------------------------------------
 
     def update_state_after_alloc(
-        self, request_id: str, block_ids: Sequence[int], kv_transfer_params: Mapping[str, Any]
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        kv_transfer_params: Mapping[str, Any],
+        now: float,
     ) -> None:
         """D: stash the registration of freshly allocated blocks; arm the watchdog (R-P02)."""
         self._require("decode", "update_state_after_alloc")
         if self.mode == "pull":
             source = pull_source(dict(kv_transfer_params))
-            self.bus.create(PULL_D_KIND, request_id, source=source, block_ids=tuple(block_ids))
+            self.bus.create(D_READ, DReadCtx(request_id, source, tuple(block_ids)), now)
             self._push_pending_registrations.append(request_id)
             return
         prefill = prefill_coordinates(dict(kv_transfer_params))
@@ -125,86 +143,87 @@ class PushScheduler:
             remote_tp_size=prefill.tp_size,
         )
         writers_per_rank = max(1, prefill.tp_size // self.engine.tp_size)
-        self.bus.create(
-            D_KIND, request_id, registration=registration, completions_needed=writers_per_rank
-        )
+        ctx = DRegistrationCtx(request_id, registration, completions_needed=writers_per_rank)
+        self.bus.create(D_REGISTRATION, ctx, now)
         self._push_pending_registrations.append(request_id)
 
     # -- P side ----------------------------------------------------------------------
 
     def request_finished(
-        self, request_id: str, block_ids: Sequence[int], kv_transfer_params: Mapping[str, Any]
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        kv_transfer_params: Mapping[str, Any],
+        now: float,
     ) -> tuple[bool, dict[str, Any] | None]:
         """P: hold the blocks under a lease for the push; True delays freeing them (R-P03)."""
         self._require("prefill", "request_finished")
         if not kv_transfer_params.get("do_remote_decode"):
             return False, None
+        extension = self.config.kv_lease_extension
         if self.mode == "pull":
-            self.bus.create(
-                PULL_P_KIND,
-                request_id,
-                block_ids=tuple(block_ids),
-                lease_extension=self.config.kv_lease_extension,
-            )
+            ctx = PullLeaseCtx(request_id, tuple(block_ids), lease_extension=extension)
+            self.bus.create(PULL_P_LEASE, ctx, now)
             here = PrefillCoordinates(
                 self.engine.engine_id, self.engine.host, self.engine.port, self.engine.tp_size
             )
             return True, pull_params(here, request_id, list(block_ids))
-        self.bus.create(
-            P_KIND,
-            request_id,
-            block_ids=tuple(block_ids),
-            lease_extension=self.config.kv_lease_extension,
-        )
+        lease = PLeaseCtx(request_id, tuple(block_ids), lease_extension=extension)
+        self.bus.create(P_LEASE, lease, now)
         self._newly_finished_push_blocks.append(request_id)
         return True, None
 
     # -- both ------------------------------------------------------------------------
 
-    def build_connector_meta(self) -> PushConnectorMeta:
+    def build_connector_meta(self, now: float) -> PushConnectorMeta:
         """Drain what this step hands to the workers; expired watchdogs fire first (R-P10)."""
-        # Only D's watchdogs fire here. P's leases are reaped in get_finished (R-P11), after
-        # the writer's reports are drained: a lease whose WRITE the writer just posted must
-        # see write_posted before its expiry, or its blocks are freed under the DMA.
+        # Only D's time moves here. P's leases are reaped in get_finished (R-P11), after
+        # the writer's reports are taken: a lease whose WRITE the writer just posted must
+        # see the post before its expiry, or its blocks are freed under the DMA.
         if self.role == "decode":
-            self.bus.fire_due()
+            self.bus.fire_due(now)
         meta = PushConnectorMeta()
         for request_id in self._push_pending_registrations:
-            inst = self.bus.get(self.d_kind, request_id)
-            if inst is None or inst.state not in ("stashed", "waiting"):
-                continue
-            self.bus.dispatch(self.d_kind, request_id, "drained")
             if self.mode == "pull":
-                meta.pull_reads[request_id] = inst.ctx.source
-            else:
-                meta.push_registrations[request_id] = inst.ctx.registration
+                read = self.bus.get(D_READ, request_id)
+                if read is not None and read.has("drainable"):
+                    self.bus.dispatch(D_READ, request_id, Drained(), now)
+                    meta.pull_reads[request_id] = read.ctx.source
+                continue
+            reg = self.bus.get(D_REGISTRATION, request_id)
+            if reg is not None and reg.has("drainable"):
+                self.bus.dispatch(D_REGISTRATION, request_id, Drained(), now)
+                meta.push_registrations[request_id] = reg.ctx.registration
         for request_id in self._newly_finished_push_blocks:
-            inst = self.bus.get(P_KIND, request_id)
-            if inst is not None and inst.state == "finished":
-                meta.push_finished_blocks[request_id] = inst.ctx.block_ids
+            lease = self.bus.get(P_LEASE, request_id)
+            if lease is not None and lease.has("drainable"):
+                meta.push_finished_blocks[request_id] = lease.ctx.block_ids
         self._push_pending_registrations.clear()
         self._newly_finished_push_blocks.clear()
         return meta
 
-    def update_connector_output(self, output: PushConnectorOutput) -> None:
+    def update_connector_output(self, output: PushConnectorOutput, now: float) -> None:
         """finished_sending clears P leases; finished_recving clears D watchdogs (R-P09)."""
-        self._confirm(self.p_kind, output.finished_sending, "finished_sending")
-        self._confirm(self.d_kind, output.finished_recving, "finished_recving")
+        self._confirm(self.p_kind, output.finished_sending, FinishedSending(), now)
+        self._confirm(self.d_kind, output.finished_recving, FinishedRecving(), now)
 
     def has_pending_push_work(self) -> bool:
         """True while any push state is in flight on this side (R-P13)."""
         return self.bus.live(self.d_kind) > 0 or self.bus.live(self.p_kind) > 0
 
-    def abort(self, request_id: str) -> None:
-        """D: the engine's request-level abort path ends a registration."""
-        if self.bus.get(self.d_kind, request_id) is not None:
-            self.bus.dispatch(self.d_kind, request_id, "abort")
+    def abort(self, request_id: str, now: float) -> None:
+        """D: the engine's request-level abort path ends a registration or read that has
+        not been reported yet (a reported receive reaches the engine as usual)."""
+        self.bus.fire_due(now)
+        if self.bus.has_tag(self.d_kind, request_id, "abortable"):
+            self.bus.dispatch(self.d_kind, request_id, Abort(), now)
 
-    def _confirm(self, kind: str, request_ids: Iterable[str], event: str) -> None:
+    def _confirm(
+        self, kind: Declaration[Any], request_ids: Iterable[str], event: Event, now: float
+    ) -> None:
         for request_id in request_ids:
-            inst = self.bus.get(kind, request_id)
-            if inst is not None and inst.state == "reported":
-                self.bus.dispatch(kind, request_id, event)
+            if self.bus.has_tag(kind, request_id, "confirmable"):
+                self.bus.dispatch(kind, request_id, event, now)
 
     def _require(self, role: Role, call: str) -> None:
         if self.role != role:

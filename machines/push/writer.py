@@ -14,8 +14,11 @@ return (`take_effects`). Everything here runs on the writer thread only.
 - R-P08: the writer is the sole consumer of notifs: `PUSH_REG` goes to matching; `HB:`,
   completion and WRITE-failed notifs go to the main thread.
 - R-P09: an evicted request's stale entries are dropped and it is never served again.
-- Bad bytes from a peer raise nothing here: they are counted, logged once per peer, and
-  change no state.
+- Bad bytes from a peer raise nothing here: they are counted and logged per peer,
+  rate-limited (`rejections`), and change no state.
+
+Time is an argument: every entry point takes `now` (the writer thread reads its clock once
+per pass). Everything here runs on the writer thread only.
 """
 
 from __future__ import annotations
@@ -38,10 +41,20 @@ from kvhandoff.machines.push.effects import (
     SendPushReg,
     StartHandshake,
 )
-from kvhandoff.machines.push.handshake import HANDSHAKE, DeferredOp
-from kvhandoff.machines.push.handshake import KIND as HANDSHAKE_KIND
+from kvhandoff.machines.push.events import Matched
+from kvhandoff.machines.push.handshake import (
+    HANDSHAKE,
+    DeferredOp,
+    Ensure,
+    Failed,
+    HandshakeCtx,
+    PeerLost,
+    Succeeded,
+)
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.effects import Effect
+from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.notifs import PushRegNotif, parse_notif
 from kvhandoff.protocol.push_wire import PushRegistration
@@ -86,36 +99,40 @@ class PushWriter:
         self.pending_registration_ttl = pending_registration_ttl
         self._evicted: OrderedDict[str, None] = OrderedDict()  # base ids
         self.self_polling = False
-        self.rejected_notifs = 0
-        self._warned_peers: set[str] = set()
-        self._effects: list[object] = []
+        self.rejections = RejectionLog(log, what="notif")
+        self._effects: list[Effect] = []
 
-    def take_effects(self) -> list[object]:
+    @property
+    def rejected_notifs(self) -> int:
+        """Inputs from peers that were refused (counted, never raised)."""
+        return self.rejections.total
+
+    def take_effects(self) -> list[Effect]:
         """The effects produced since the last call, in order."""
         effects, self._effects = self._effects, []
         return effects
 
-    def _collect(self, _inst: Instance, effect: object) -> None:
+    def _collect(self, _inst: Instance[HandshakeCtx] | None, effect: Effect) -> None:
         self._effects.append(effect)
 
     # -- inboxes ---------------------------------------------------------------------
 
-    def on_reg_send(self, request_id: str, registration: PushRegistration) -> None:
+    def on_reg_send(self, request_id: str, registration: PushRegistration, now: float) -> None:
         """D: a registration from the reg-send inbox (first pass or replay)."""
         if get_base_request_id(request_id) in self._evicted:
             return
         reg = registration
         op = ReplayRegistration(request_id, reg)
-        self._through_handshake(reg.remote_engine_id, reg.remote_host, reg.remote_port, op)
+        self._through_handshake(reg.remote_engine_id, reg.remote_host, reg.remote_port, op, now)
 
-    def on_pull_read(self, op: ReplayRead) -> None:
+    def on_pull_read(self, op: ReplayRead, now: float) -> None:
         """D, pull mode (B-09): a read from the pull-read inbox (first pass or replay)."""
         if get_base_request_id(op.request_id) in self._evicted:
             return
         prefill = op.source.prefill
-        self._through_handshake(prefill.engine_id, prefill.host, prefill.port, op)
+        self._through_handshake(prefill.engine_id, prefill.host, prefill.port, op, now)
 
-    def on_finished_blocks(self, request_id: str, block_ids: tuple[int, ...]) -> None:
+    def on_finished_blocks(self, request_id: str, block_ids: tuple[int, ...], now: float) -> None:
         """P: finished blocks from the finished-blocks inbox."""
         if get_base_request_id(request_id) in self._evicted:
             return
@@ -124,13 +141,13 @@ class PushWriter:
             self.push_finished_blocks[request_id] = block_ids
             self._finished_by_base[get_base_request_id(request_id)] = request_id
         else:
-            self._matched(request_id, block_ids, registration, sender)
+            self._matched(request_id, block_ids, registration, sender, now)
         self._update_self_poll()
 
-    def on_deferred_push(self, op: ReplayPush) -> None:
+    def on_deferred_push(self, op: ReplayPush, now: float) -> None:
         """P: a matched push replayed after its handshake."""
         if get_base_request_id(op.request_id) not in self._evicted:
-            self._push(op)
+            self._push(op, now)
 
     def on_evict(self, request_id: str) -> None:
         """Drop everything the writer still holds for a finished or expired request."""
@@ -146,53 +163,50 @@ class PushWriter:
                 self._pending_senders.pop(key, None)
         self._update_self_poll()
 
-    def on_handshake_result(self, engine_id: str, ok: bool) -> None:
-        if self.bus.get(HANDSHAKE_KIND, engine_id) is not None:
-            self.bus.dispatch(HANDSHAKE_KIND, engine_id, "succeeded" if ok else "failed")
+    def on_handshake_result(self, engine_id: str, ok: bool, now: float) -> None:
+        if self.bus.get(HANDSHAKE, engine_id) is not None:
+            event = Succeeded() if ok else Failed()
+            self.bus.dispatch(HANDSHAKE, engine_id, event, now)
 
-    def on_peer_lost(self, engine_id: str) -> None:
-        if self.bus.get(HANDSHAKE_KIND, engine_id) is not None:
-            self.bus.dispatch(HANDSHAKE_KIND, engine_id, "peer_lost")
+    def on_peer_lost(self, engine_id: str, now: float) -> None:
+        if self.bus.get(HANDSHAKE, engine_id) is not None:
+            self.bus.dispatch(HANDSHAKE, engine_id, PeerLost(), now)
 
-    def on_notif(self, peer: str, data: bytes) -> None:
+    def on_notif(self, peer: str, data: bytes, now: float) -> None:
         """Route one notif from `get_new_notifs` (R-P08)."""
         try:
             notif = parse_notif(data, peer=peer)
             if isinstance(notif, PushRegNotif):
                 if self.role != "prefill":
                     raise RemoteProtocolError("PUSH_REG sent to a decode instance", peer=peer)
-                self._on_push_reg(notif.registration, peer)
+                self._on_push_reg(notif.registration, peer, now)
             else:
                 self._effects.append(ForwardToMain(notif, peer))
         except RemoteProtocolError as exc:
-            self.reject(peer, exc)
+            self.reject(peer, exc, now)
 
-    def reject(self, peer: str, exc: RemoteProtocolError) -> None:
-        """Count a bad input from `peer`; log the first one per peer."""
-        self.rejected_notifs += 1
-        if peer not in self._warned_peers:
-            self._warned_peers.add(peer)
-            log.warning("rejected notif from %s: %s (further ones counted only)", peer, exc)
+    def reject(self, peer: str, exc: RemoteProtocolError, now: float) -> None:
+        """Count a bad input from `peer`; log it, rate-limited per peer."""
+        self.rejections.reject(peer, exc, now)
 
     def is_connected(self, engine_id: str) -> bool:
-        inst = self.bus.get(HANDSHAKE_KIND, engine_id)
-        return inst is not None and inst.state == "connected"
+        return self.bus.has_tag(HANDSHAKE, engine_id, "peer_ready")
 
     # -- matching (R-P04) --------------------------------------------------------------
 
-    def _on_push_reg(self, registration: PushRegistration, sender: str = "") -> None:
+    def _on_push_reg(self, registration: PushRegistration, sender: str, now: float) -> None:
         d_request_id = registration.request_id
         p_request_id = self._pop_finished(d_request_id)
         if p_request_id is None:
             if get_base_request_id(d_request_id) in self._evicted:
                 return  # a late duplicate of a request already served or reaped
             self.pending_d_registrations[d_request_id] = registration
-            self._pending_since[d_request_id] = self.bus.clock()
+            self._pending_since[d_request_id] = now
             self._pending_by_base[get_base_request_id(d_request_id)] = d_request_id
             self._pending_senders[d_request_id] = sender
             return
         blocks = self.push_finished_blocks.pop(p_request_id)
-        self._matched(p_request_id, blocks, registration, sender)
+        self._matched(p_request_id, blocks, registration, sender, now)
         self._update_self_poll()
 
     def _pop_finished(self, d_request_id: str) -> str | None:
@@ -218,24 +232,28 @@ class PushWriter:
         p_request_id: str,
         blocks: tuple[int, ...],
         registration: PushRegistration,
-        sender: str = "",
+        sender: str,
+        now: float,
     ) -> None:
-        self._effects.append(ReportToMain(p_request_id, "matched"))
-        self._push(ReplayPush(p_request_id, blocks, registration, sender))
+        self._effects.append(ReportToMain(p_request_id, Matched(), peer=sender or None))
+        self._push(ReplayPush(p_request_id, blocks, registration, sender), now)
 
-    def _push(self, op: ReplayPush) -> None:
+    def _push(self, op: ReplayPush, now: float) -> None:
         reg = op.registration
-        self._through_handshake(reg.decode_engine_id, reg.decode_host, reg.decode_port, op)
+        self._through_handshake(reg.decode_engine_id, reg.decode_host, reg.decode_port, op, now)
 
     # -- handshakes (R-P05) ------------------------------------------------------------
 
-    def _through_handshake(self, engine_id: str, host: str, port: int, op: DeferredOp) -> None:
+    def _through_handshake(
+        self, engine_id: str, host: str, port: int, op: DeferredOp, now: float
+    ) -> None:
+        bus = self.bus
         if self.is_connected(engine_id):
             self._effects.append(_proceed(op))
             return
-        if self.bus.get(HANDSHAKE_KIND, engine_id) is None:
-            self.bus.create(HANDSHAKE_KIND, engine_id, host=host, port=port)
-        self.bus.dispatch(HANDSHAKE_KIND, engine_id, "ensure", op)
+        if bus.get(HANDSHAKE, engine_id) is None:
+            bus.create(HANDSHAKE, HandshakeCtx(engine_id, host, port), now)
+        bus.dispatch(HANDSHAKE, engine_id, Ensure(op), now)
 
     # -- wake policy (R-P07) -------------------------------------------------------------
 
@@ -250,9 +268,9 @@ class PushWriter:
         while len(self._evicted) > _FORGET_AFTER:
             self._evicted.popitem(last=False)
 
-    def expire_pending(self) -> int:
+    def expire_pending(self, now: float) -> int:
         """Drop `PUSH_REG`s that waited longer than D's own watchdog for their blocks."""
-        deadline = self.bus.clock() - self.pending_registration_ttl
+        deadline = now - self.pending_registration_ttl
         dropped = 0
         while self._pending_since:
             d_request_id, since = next(iter(self._pending_since.items()))
@@ -266,7 +284,7 @@ class PushWriter:
         return dropped
 
 
-def _proceed(op: DeferredOp) -> object:
+def _proceed(op: DeferredOp) -> Effect:
     """The operation itself, once its peer is connected."""
     if isinstance(op, ReplayRegistration):
         return SendPushReg(op.request_id, op.registration)

@@ -18,7 +18,7 @@ and `ECWorker` halves) on a `VirtualClock`, with one seeded `random.Random`:
 
 Regions hold one tag per block (the `mm_hash` whose bytes it holds), so a READ or a load
 of the wrong blocks is caught: the plane records a violation instead of raising, and the
-world (`sim_ec_world`) or a test decides what that means.
+world (`sim.ec.world`) or a test decides what that means.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
 from kvhandoff.machines.ec.consumer_read import (
-    CONSUMER_READ_KIND,
+    EC_CONSUMER_READ,
     IssueRead,
     SendXferDone,
     SendXferReq,
@@ -198,13 +198,12 @@ class SimECPlane:
             config,
             lay,
             compat_hash=COMPAT,
-            clock=self.clock,
             env=env,
             machine_config=self.machine_config,
             eviction_observer=observe,
         )
-        worker = ECWorker(config, lay, clock=self.clock)
-        worker.register_caches(0, lay.region_bytes)
+        worker = ECWorker(config, lay)
+        worker.register_caches(0, lay.region_bytes, self.clock.now)
         engine = Engine(name, role, scheduler, worker, [None] * num_blocks, f"{name}.sim", 5601)
         engine.epoch = epoch
         engine.identity = engine_id.encode()
@@ -301,7 +300,7 @@ class SimECPlane:
     def poll(self) -> None:
         for engine in self.engines():
             if engine.alive:
-                engine.scheduler.poll()
+                engine.scheduler.poll(self.clock.now)
 
     # -- control plane -------------------------------------------------------------------
 
@@ -364,7 +363,7 @@ class SimECPlane:
         if not producer.alive:
             return
         try:
-            producer.scheduler.on_producer_message(identity, data)
+            producer.scheduler.on_producer_message(identity, data, self.clock.now)
         except RemoteProtocolError as exc:
             self.remote_errors.append(f"producer: {exc}")
 
@@ -378,7 +377,7 @@ class SimECPlane:
         read = consumer.read(mm_hash)
         before = "" if read is None else read.state
         try:
-            consumer_engine.scheduler.on_xfer_ack(data, peer="producer")
+            consumer_engine.scheduler.on_xfer_ack(data, self.clock.now, peer="producer")
         except RemoteProtocolError as exc:
             self.remote_errors.append(f"consumer: {exc}")
         if self.ack_observer is not None and read is not None:
@@ -407,10 +406,11 @@ class SimECPlane:
         self._link_epoch += 1
         self._held_messages.clear()
         producer, consumer = self.producer, self.consumer
+        now = self.clock.now
         if consumer.alive:
-            consumer.scheduler.on_peer_disconnected(producer.host, producer.port)
+            consumer.scheduler.on_peer_disconnected(producer.host, producer.port, now)
         if producer.alive and producer.scheduler.producer is not None:
-            producer.scheduler.on_consumer_disconnected(consumer.identity)
+            producer.scheduler.on_consumer_disconnected(consumer.identity, now)
 
     def partition(self) -> None:
         self.partitioned = True
@@ -454,14 +454,14 @@ class SimECPlane:
                 self._held_reads.append(land)  # the DMA waits for the link
                 return
             if fault == "fail" or not producer.alive or self.producer is not producer:
-                engine.scheduler.on_read_failed(read.mm_hash, read.transfer_id)
+                engine.scheduler.on_read_failed(read.mm_hash, read.transfer_id, self.clock.now)
                 return
             self._land_read(engine, producer, read)
 
         self.at(when, land)
 
     def _land_read(self, consumer: Engine, producer: Engine, read: IssueRead) -> None:
-        live = consumer.scheduler.bus.get(CONSUMER_READ_KIND, read.mm_hash)
+        live = consumer.scheduler.bus.get(EC_CONSUMER_READ, read.mm_hash)
         if live is None or live.ctx.transfer_id != read.transfer_id:
             # Nobody awaits it any more (its quarantine ended): the reader released the
             # handle, which cancels the DMA (`ECNixlReader.poll`).
@@ -473,7 +473,7 @@ class SimECPlane:
             if owner != read.mm_hash:
                 self.violation(f"READ of {read.mm_hash} lands in block {dst} held by {owner!r}")
                 return
-        awaited = live.state == "reading"
+        awaited = live.has("read_awaited")
         for src, dst in zip(read.src_blocks, read.dst_blocks, strict=True):
             tag = producer.region[src]
             # A READ still awaited must find its source pinned; one landing in
@@ -483,7 +483,7 @@ class SimECPlane:
                 return
             consumer.region[dst] = tag
         self.reads_landed += 1
-        consumer.scheduler.on_read_done(read.mm_hash, read.transfer_id)
+        consumer.scheduler.on_read_done(read.mm_hash, read.transfer_id, self.clock.now)
 
     def _copy(self, engine: Engine, copy: CopyBlocks) -> None:
         bounds = self.copy_delay
@@ -509,7 +509,7 @@ class SimECPlane:
                     tags = {engine.region[b] for b in item.blocks}
                     if tags != {item.mm_hash}:
                         self.violation(f"{engine.name} load of {item.mm_hash} reads {tags}")
-            engine.worker.on_copy_done(copy.batch_id)
+            engine.worker.on_copy_done(copy.batch_id, self.clock.now)
 
         self.at(when, land)
 
@@ -519,14 +519,14 @@ class SimECPlane:
         """Allocate, build the meta, run the worker, report back (one engine step)."""
         if not engine.alive:
             return
-        scheduler, worker = engine.scheduler, engine.worker
+        scheduler, worker, now = engine.scheduler, engine.worker, self.clock.now
         for request, mm_hash, tokens in allocs:
-            scheduler.update_state_after_alloc(request, mm_hash, tokens)
-        meta = scheduler.build_connector_meta()
-        worker.start_load_caches(meta)
-        worker.save_caches()
-        report = worker.build_connector_worker_meta()
+            scheduler.update_state_after_alloc(request, mm_hash, tokens, now)
+        meta = scheduler.build_connector_meta(now)
+        worker.start_load_caches(meta, now)
+        worker.save_caches(now)
+        report = worker.build_connector_worker_meta(now)
         for mm_hash in report.loaded + report.failed_loads:
             engine.outstanding_loads[mm_hash] -= 1
-        scheduler.update_connector_output(report)
+        scheduler.update_connector_output(report, now)
         engine.failed.extend(scheduler.take_failed_requests())

@@ -18,48 +18,59 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvhandoff.machines.ec import consumer_read as ec_consumer_read
-from kvhandoff.machines.ec import producer_grant as ec_producer_grant
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.consumer_read import (
+    EC_CONSUMER_READ,
+    Ack,
+    ReadCtx,
+    ReadTimeout,
+    quarantine,
+)
+from kvhandoff.machines.ec.events import Discard, PeerDisconnected
+from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, GrantCtx, XferDone
 from kvhandoff.machines.runtime.compiled import Route
-from kvhandoff.machines.runtime.effects import Emit
+from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.effects import Effect, Emit
 from kvhandoff.sim.ec.plane import Engine
 from kvhandoff.sim.ec.world import ECVariant, SimulatedECWorld
 
 
-def _routes(engine: Engine, kind: str) -> list[Route]:
+def _routes(engine: Engine, kind: Declaration[Any]) -> list[Route]:
     return engine.scheduler.bus.machine(kind).routes
 
 
 def not_ready_fatal(world: SimulatedECWorld, engine: Engine) -> None:
     if engine.name != "consumer":
         return
-    machine = engine.scheduler.bus.machine(ec_consumer_read.CONSUMER_READ_KIND)
-    chooser = machine.nodes["xfer_req_sent"].on["ack"]
+    machine = engine.scheduler.bus.machine(EC_CONSUMER_READ)
+    chooser = machine.nodes["xfer_req_sent"].on[Ack]
     chooser.alternatives = tuple(
         (conditions, unless, alt)
         for conditions, unless, alt in chooser.alternatives
-        if alt.dest is None or alt.dest.name != "retry_next_step"
+        if alt.dest is None or "retry_pending" not in alt.dest.tags
     )
 
 
 def grant_never_unpinned(world: SimulatedECWorld, engine: Engine) -> None:
     if engine.name != "producer":
         return
-    for route in _routes(engine, ec_producer_grant.GRANT_KIND):
+
+    def forget_the_pin(ctx: GrantCtx, event: XferDone) -> list[Effect]:
+        return []
+
+    for route in _routes(engine, EC_PRODUCER_GRANT):
         if route.edge[0] == "granted" and route.edge[2] == "released":
-            route.action = lambda inst, payload: []
+            route.action = forget_the_pin
 
 
 def no_quarantine(world: SimulatedECWorld, engine: Engine) -> None:
     if engine.name != "consumer":
         return
 
-    def free_at_once(inst: Any, payload: Any) -> list[object]:
-        effects = ec_consumer_read._read_timed_out(inst, payload)
-        return [Emit(ENTRY_KIND, inst.key, "discard"), *effects]
+    def free_at_once(ctx: ReadCtx, event: ReadTimeout | PeerDisconnected) -> list[Effect]:
+        return [Emit(EC_CACHE_ENTRY, ctx.key, Discard()), *quarantine(ctx, "read_timeout")]
 
-    for route in _routes(engine, ec_consumer_read.CONSUMER_READ_KIND):
+    for route in _routes(engine, EC_CONSUMER_READ):
         if route.edge[0] == "reading" and route.edge[2] == "quarantined":
             route.action = free_at_once
 

@@ -34,78 +34,25 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from kvhandoff.machines.ec.consumer_read import CONSUMER_READ_KIND
 from kvhandoff.machines.ec.meta import ECRequestInfo
-from kvhandoff.machines.ec.producer_grant import GRANT_KIND
-from kvhandoff.machines.ec.request import REQUEST_KIND
+from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.compiled import Instance
-from kvhandoff.protocol.ec_config import (
-    DEFAULT_CONSUMER_ACK_TIMEOUT_S,
-    DEFAULT_NIXL_READ_TIMEOUT_S,
-    DEFAULT_PIN_LEASE_S,
-    DEFAULT_READ_QUARANTINE_S,
-    DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S,
-)
-from kvhandoff.protocol.ec_status import NACKS, RETRYABLE_NACKS
+from kvhandoff.protocol.ec_config import DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S
+from kvhandoff.sim.ec.checks import check_evicting, check_invariants, check_read_retired
+from kvhandoff.sim.ec.ending import final_check, probe, quiesce, settle
 from kvhandoff.sim.ec.plane import Engine, SimECPlane
+from kvhandoff.sim.ec.settings import META, ECClient, ECSimSettings, Phase
 from kvhandoff.sim.push.fabric import SimFaults
 from kvhandoff.sim.push.world import SimRunResult
 
+__all__ = ["ECClient", "ECSimSettings", "ECVariant", "SimulatedECWorld"]
+
 ECVariant = Callable[["SimulatedECWorld", Engine], None]
 
-META = {"grid": [1, 2, 2]}
-EPS = 1e-6
-READ_FALLBACKS = frozenset(
-    {str(s) for s in NACKS - RETRYABLE_NACKS} | {"ack_timeout", "peer_disconnected", "read_failed"}
-)
-QUARANTINE_REASONS = frozenset({"read_timeout", "peer_disconnected"})
-FINAL = ("completed", "failed", "lost", "aborted")
-
-
-@dataclass(frozen=True, slots=True)
-class ECSimSettings:
-    """The shape of a simulated encoder-cache run; timeouts are the connector defaults."""
-
-    requests: int = 16
-    encodings: int = 10  # distinct mm_hashes the clients draw from
-    max_tokens: int = 4  # blocks per encoding
-    producer_blocks: int = 20
-    consumer_blocks: int = 12
-    max_not_ready: int = 20  # consumer_max_not_ready_retries (the default is 1000)
-    rewrite_share: float = 0.25  # consumer legs whose media was rewritten (B-05)
-    mean_interarrival_s: float = 0.25
-    relay_s: tuple[float, float] = (0.0, 0.3)  # the proxy relays a publication
-    max_actions: int = 40_000
-    probes: int = 3
-
-    @property
-    def settle_span_s(self) -> float:
-        reads = (self.max_not_ready + 1) * DEFAULT_CONSUMER_ACK_TIMEOUT_S
-        return reads + DEFAULT_NIXL_READ_TIMEOUT_S + DEFAULT_READ_QUARANTINE_S + 100.0
-
-    def tokens(self, mm_hash: str) -> int:
-        """An encoding's size is a property of the media: the same on every leg."""
-        return 1 + sum(map(ord, mm_hash)) % self.max_tokens
-
-
-@dataclass(slots=True)
-class ECClient:
-    client_id: str
-    mm_hashes: tuple[str, ...]
-    probe: bool = False
-    request: ECRequestInfo | None = None  # the consumer leg, once relayed
-    relay_at: float = 0.0
-    consumer_epoch: int = 0
-    state: str = "relaying"  # relaying | waiting | completed | failed | lost | aborted
-    reason: str = ""
-
-    @property
-    def resolved(self) -> bool:
-        return self.state in FINAL
+_RELAYING, _WAITING = Phase.RELAYING, Phase.WAITING  # looked up once: `waiting()` is hot
 
 
 class SimulatedECWorld:
@@ -169,33 +116,12 @@ class SimulatedECWorld:
             source = f"{engine.name}-{engine.epoch}"
             bus.record(lambda line: log.append(f"{source} {line}"))
         if engine.name == "consumer":
-            bus.on_retire(self._retired)
+            bus.on_retire(lambda inst: check_read_retired(self, inst))
         if self.variant is not None:
             self.variant(self, engine)
 
     def _evicting(self, engine: Engine, victim: str, _order: list[Any]) -> None:
-        state = engine.scheduler.cache.state(victim)
-        if state != "ready":
-            self.violation(f"{engine.name} evicts {victim} in state {state}")
-
-    def _retired(self, inst: Instance) -> None:
-        if inst.kind != CONSUMER_READ_KIND:
-            return
-        reason = inst.ctx.reason
-        spent = inst.ctx.not_ready >= self.settings.max_not_ready
-        outcome = f"read.{inst.state}" + (f".{reason}" if reason else "")
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-        if inst.ctx.not_ready:
-            self.outcomes["read.retried_not_ready"] = (
-                self.outcomes.get("read.retried_not_ready", 0) + 1
-            )
-        if inst.state == "done":
-            self.reads_done.add(inst.key)
-        elif inst.state == "fallback_local":
-            if reason not in READ_FALLBACKS and not (reason == "NACK_NOT_READY" and spent):
-                self.violation(f"read of {inst.key} fell back for {reason!r}")
-        elif inst.state == "released" and reason not in QUARANTINE_REASONS:
-            self.violation(f"read of {inst.key} quarantined for {reason!r}")
+        check_evicting(self, engine, victim)
 
     # -- client requests --------------------------------------------------------------------
 
@@ -233,7 +159,7 @@ class SimulatedECWorld:
         req = ECRequestInfo(f"enc-{client_id}", hashes, mm_metadata={h: META for h in hashes})
         allocs = [(req, h, self.settings.tokens(h)) for h in hashes]
         self.plane.engine_step(producer, allocs)
-        return producer.scheduler.request_finished(req)
+        return producer.scheduler.request_finished(req, self.clock.now)
 
     def eviction_pressure(self) -> None:
         """A burst of unpublished encodings fills the producer's tier (FIFO evictions)."""
@@ -248,7 +174,7 @@ class SimulatedECWorld:
             allocs.append((req, f"filler{self._filler}", self.settings.max_tokens))
         self.plane.engine_step(producer, allocs)
         for req, _, _ in allocs:
-            producer.scheduler.request_finished(req)
+            producer.scheduler.request_finished(req, self.clock.now)
 
     # -- engine steps -------------------------------------------------------------------------
 
@@ -256,47 +182,48 @@ class SimulatedECWorld:
         consumer = self.plane.consumer
         if not consumer.alive:
             return
-        scheduler = consumer.scheduler
+        scheduler, now = consumer.scheduler, self.clock.now
         allocs: list[tuple[ECRequestInfo, str, int]] = []
         finished: list[ECRequestInfo] = []
-        for client in self._waiting():
+        for client in self.waiting():
             req = client.request
             assert req is not None
-            if client.state == "relaying":
-                client.state = "waiting"
+            if client.phase is Phase.RELAYING:
+                client.phase = Phase.WAITING
                 client.consumer_epoch = consumer.epoch
-            if scheduler.ensure_cache_available(req):
+            if scheduler.ensure_cache_available(req, now):
                 for h in req.mm_hashes:
                     if scheduler.has_cache_item(h):
                         allocs.append((req, h, self.settings.tokens(h)))
                 finished.append(req)
-                self._resolve(client, "completed")
+                self._resolve(client, Phase.COMPLETED)
                 continue
-            inst = scheduler.bus.get(REQUEST_KIND, req.request_id)
-            if inst is not None and inst.state == "failed":
+            inst = scheduler.bus.get(EC_REQUEST, req.request_id)
+            if inst is not None and inst.has("failed_cleanly"):
                 self._check_failure(req, inst)
-                scheduler.request_finished(req)
-                self._resolve(client, "failed", inst.ctx.failure)
+                scheduler.request_finished(req, now)
+                self._resolve(client, Phase.FAILED, inst.ctx.failure)
         self.plane.engine_step(consumer, allocs)
         for req in finished:
-            scheduler.request_finished(req)
+            scheduler.request_finished(req, self.clock.now)
 
-    def _waiting(self) -> list[ECClient]:
+    def waiting(self) -> list[ECClient]:
+        """Clients whose consumer leg the live consumer should look at now."""
         now = self.clock.now
         epoch = self.plane.consumer.epoch
         return [
             c
             for c in self.clients.values()
-            if (c.state == "relaying" and c.relay_at <= now)
-            or (c.state == "waiting" and c.consumer_epoch == epoch)
+            if (c.phase is _RELAYING and c.relay_at <= now)
+            or (c.phase is _WAITING and c.consumer_epoch == epoch)
         ]
 
-    def _resolve(self, client: ECClient, state: str, reason: str = "") -> None:
-        client.state = state
+    def _resolve(self, client: ECClient, phase: Phase, reason: str = "") -> None:
+        client.phase = phase
         client.reason = reason
-        self.note(f"{client.client_id} {state}{': ' + reason if reason else ''}")
+        self.note(f"{client.client_id} {phase}{': ' + reason if reason else ''}")
 
-    def _check_failure(self, req: ECRequestInfo, inst: Instance) -> None:
+    def _check_failure(self, req: ECRequestInfo, inst: Instance[RequestCtx]) -> None:
         lost_rewritten = any(h in inst.ctx.failure for h in req.metadata_only)
         if not lost_rewritten and "malformed" not in inst.ctx.failure:
             self.violation(f"{req.request_id} failed without losing a rewritten encoding")
@@ -305,14 +232,14 @@ class SimulatedECWorld:
         self.plane.engine_step(self.plane.producer, [])
 
     def abort_one(self) -> None:
-        waiting = [c for c in self._waiting() if c.state == "waiting" and not c.probe]
+        waiting = [c for c in self.waiting() if c.phase is Phase.WAITING and not c.probe]
         consumer = self.plane.consumer
         if not waiting or not consumer.alive:
             return
         client = self.rng.choice(waiting)
         assert client.request is not None
-        consumer.scheduler.request_finished(client.request)
-        self._resolve(client, "aborted", "client went away")
+        consumer.scheduler.request_finished(client.request, self.clock.now)
+        self._resolve(client, Phase.ABORTED, "client went away")
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -326,22 +253,22 @@ class SimulatedECWorld:
         self.restart_at[which] = self.clock.now + downtime
         if which == "consumer":
             for client in self.clients.values():
-                if client.state == "waiting" and client.consumer_epoch == engine.epoch:
-                    self._resolve(client, "lost", "consumer crashed")
+                if client.phase is Phase.WAITING and client.consumer_epoch == engine.epoch:
+                    self._resolve(client, Phase.LOST, "consumer crashed")
         # The survivor's ZMQ heartbeat notices within its timeout.
         detect = self.rng.uniform(0.5, DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S)
         self.plane.at(self.clock.now + detect, lambda: self._lost_peer(which, engine))
 
     def _lost_peer(self, which: str, dead: Engine) -> None:
-        plane = self.plane
+        plane, now = self.plane, self.clock.now
         if which == "producer":
             consumer = plane.consumer
             if consumer.alive:
-                consumer.scheduler.on_peer_disconnected(dead.host, dead.port)
+                consumer.scheduler.on_peer_disconnected(dead.host, dead.port, now)
         else:
             producer = plane.producer
             if producer.alive:
-                producer.scheduler.on_consumer_disconnected(dead.identity)
+                producer.scheduler.on_consumer_disconnected(dead.identity, now)
 
     def restart(self, which: str) -> None:
         self.note(f"RESTART {which}")
@@ -401,14 +328,14 @@ class SimulatedECWorld:
         if self.issuing and self._serial < self.settings.requests and now >= self.next_issue_at:
             choices.append((2.0, self._arrive))
         plane = self.plane
-        waiting = bool(self._waiting())
+        waiting = bool(self.waiting())
         consumer_busy = waiting or plane.consumer.worker.in_flight() > 0
         choices.append((3.0 if consumer_busy else 0.3, self.consumer_step))
         producer_busy = plane.producer.worker.in_flight() > 0
         choices.append((3.0 if producer_busy else 0.3, self.producer_step))
         choices.append((2.0, lambda: plane.advance(rng.expovariate(20.0))))
         if not consumer_busy and not producer_busy:
-            choices.append((1.0, self._jump))
+            choices.append((1.0, self.jump))
         total = sum(w for w, _ in choices)
         pick = rng.random() * total
         for weight, action in choices:
@@ -450,186 +377,37 @@ class SimulatedECWorld:
             1.0 / self.settings.mean_interarrival_s
         )
 
-    def _next_scheduled(self) -> float | None:
+    def next_scheduled(self) -> float | None:
+        """The earliest time something happens by itself."""
         times = [t for t in (self.plane.next_event(), self.heal_at) if t is not None]
         times += self.restart_at.values()
-        times += [c.relay_at for c in self.clients.values() if c.state == "relaying"]
+        times += [c.relay_at for c in self.clients.values() if c.phase is Phase.RELAYING]
         if self.issuing and self._serial < self.settings.requests:
             times.append(self.next_issue_at)
         return min(times, default=None)
 
-    def _jump(self) -> None:
-        when = self._next_scheduled()
+    def jump(self) -> None:
+        """Jump the clock to the next thing that happens by itself (at least 0.1 ms)."""
+        when = self.next_scheduled()
         target = self.clock.now + 1.0 if when is None else max(when, self.clock.now + 1e-4)
         self.plane.run_until(target)
 
-    # -- invariants -----------------------------------------------------------------------------
+    # -- invariants and the end of a run ----------------------------------------------------
 
     def check_invariants(self) -> None:
-        self.violations.extend(self.plane.violations)
-        self.plane.violations.clear()
-        plane, now = self.plane, self.clock.now
-        for engine in plane.engines():
-            if not engine.alive:
-                continue
-            try:
-                engine.scheduler.cache.check()
-            except AssertionError as exc:
-                self.violation(f"{engine.name} pool and entries disagree: {exc}")
-        producer = plane.producer
-        if producer.alive:
-            grants: dict[str, int] = {}
-            for grant in producer.scheduler.bus.instances(GRANT_KIND):
-                if grant.state != "granted":
-                    continue
-                granted_at = plane.grant_times.get(grant.key, now)
-                if now - granted_at > DEFAULT_PIN_LEASE_S + EPS:
-                    self.violation(f"grant {grant.key} outlives its lease")
-                grants[grant.ctx.mm_hash] = grants.get(grant.ctx.mm_hash, 0) + 1
-            for entry in producer.scheduler.cache.entries():
-                if entry.ctx.pins != grants.get(entry.key, 0):
-                    self.violation(
-                        f"producer {entry.key} has {entry.ctx.pins} pins for "
-                        f"{grants.get(entry.key, 0)} live grants"
-                    )
-        consumer = plane.consumer
-        if consumer.alive:
-            self._check_consumer(consumer)
+        check_invariants(self)
 
-    def _check_consumer(self, consumer: Engine) -> None:
-        bus = consumer.scheduler.bus
-        held: dict[str, int] = {}
-        for request in bus.instances(REQUEST_KIND):
-            for h in request.ctx.held:
-                held[h] = held.get(h, 0) + 1
-            if request.state != "failed" and set(request.ctx.local) & request.ctx.metadata_only:
-                self.violation(f"{request.key} encodes locally without media")
-        for entry in consumer.scheduler.cache.entries():
-            expected = held.get(entry.key, 0) + consumer.outstanding_loads.get(entry.key, 0)
-            if entry.ctx.pins != expected:
-                self.violation(f"consumer {entry.key} has {entry.ctx.pins} pins, {expected} owed")
-        for read in bus.instances(CONSUMER_READ_KIND):
-            if read.state in ("xfer_req_sent", "reading", "quarantined"):
-                if read.timer is None:
-                    self.violation(f"read of {read.key} in {read.state} has no deadline")
-            elif read.ctx.not_ready > self.settings.max_not_ready:
-                self.violation(f"read of {read.key} retried past the bound")
-
-    # -- the end of a run -----------------------------------------------------------------------
-
-    def quiesce(self, rounds: int = 50) -> None:
-        for _ in range(rounds):
-            before = (self.plane.in_flight(), len(self._waiting()))
-            self.producer_step()
-            self.consumer_step()
-            self.plane.run_until(self.clock.now)
-            if before == (self.plane.in_flight(), len(self._waiting())):
-                return
-
-    def run_for(self, seconds: float) -> None:
-        end = self.clock.now + seconds
-        while not self.violations:
-            self.quiesce()
-            self.check_invariants()
-            when = self._next_scheduled()
-            if when is None or when > end:
-                return
-            self.plane.run_until(max(when, self.clock.now + 1e-4))
+    def quiesce(self) -> None:
+        quiesce(self)
 
     def settle(self) -> None:
-        """Faults off, heal, restart; then drive the clock past every deadline."""
-        self.issuing = False
-        self.faults = SimFaults.none()
-        self.plane.faults = self.faults
-        if self.heal_at is not None:
-            self.heal()
-        for which in sorted(self.restart_at):
-            self.restart(which)
-        self.run_for(self.settings.settle_span_s)
+        settle(self)
 
     def probe(self) -> None:
-        """A fresh encoding, every fault off: the consumer must read it from the producer."""
-        for attempt in range(self.settings.probes):
-            mm_hash = f"probe{attempt}"
-            saved_by = self.clock.now + 5.0
-            client = self.issue(probe=True, mm_hash=mm_hash)
-            while self.plane.producer.scheduler.cache.state(mm_hash) == "allocated":
-                if self.clock.now > saved_by:
-                    break
-                self.producer_step()
-                self.plane.advance(0.05)
-            deadline = self.clock.now + self.settings.settle_span_s
-            while not client.resolved and self.clock.now < deadline and not self.violations:
-                self.quiesce()
-                if not client.resolved:
-                    self._jump()
-            if client.state == "completed" and mm_hash in self.reads_done:
-                return
-        self.violation(f"no recovery: probe {client.client_id} ended {client.state}")
+        probe(self)
 
     def final_check(self, *, settled: bool = True) -> SimRunResult:
-        """Count what is left; after `settle`, anything left is a leak or a hang."""
-        plane = self.plane
-        leftovers: dict[str, dict[str, int]] = {}
-        producer, consumer = plane.producer, plane.consumer
-        leftovers["producer"] = {
-            "live_grants": sum(1 for _ in producer.scheduler.bus.instances(GRANT_KIND)),
-            "pinned_entries": _pinned(producer),
-            "unsaved_entries": _allocated(producer),
-            "copies_in_flight": producer.worker.in_flight(),
-        }
-        leftovers["consumer"] = {
-            "live_reads": sum(1 for _ in consumer.scheduler.bus.instances(CONSUMER_READ_KIND)),
-            "live_requests": sum(1 for _ in consumer.scheduler.bus.instances(REQUEST_KIND)),
-            "pinned_entries": _pinned(consumer),
-            "reserved_entries": _allocated(consumer),
-            "copies_in_flight": consumer.worker.in_flight(),
-            "loads_in_flight": sum(consumer.outstanding_loads.values()),
-        }
-        leftovers["network"] = {"in_flight": plane.in_flight()}
-        leaked = hung = completed = failed = requests = 0
-        for role, tables in leftovers.items():
-            for name, size in list(tables.items()):
-                if not size or not settled:
-                    del tables[name]
-                    continue
-                if name in ("live_reads", "live_requests"):
-                    hung += size
-                else:
-                    leaked += size
-                self.violation(f"{role} {name} holds {size} after all deadlines")
-        for client in self.clients.values():
-            if not client.probe:
-                requests += 1
-            if not client.resolved:
-                if settled:
-                    hung += 1
-                    self.violation(f"{client.client_id} unresolved: {client.state}")
-            elif not client.probe:
-                if client.state == "completed":
-                    completed += 1
-                else:
-                    failed += 1
-        counters = dict(plane.counters)
-        for engine in plane.engines():
-            for name, value in engine.scheduler.counters().items():
-                counters[f"{engine.name}.{name}"] = value
-        counters.update(self.outcomes)
-        counters["reads_started"] = plane.reads_started
-        counters["reads_landed"] = plane.reads_landed
-        return SimRunResult(
-            seed=self.seed,
-            requests=requests,
-            completed=completed,
-            failed_cleanly=failed,
-            leaked=leaked,
-            hung=hung,
-            violations=list(self.violations),
-            actions=self.actions,
-            sim_seconds=self.clock.now - 1000.0,
-            leftovers={k: v for k, v in leftovers.items() if v},
-            counters=counters,
-        )
+        return final_check(self, settled=settled)
 
     def terms_of(self, violations: list[str]) -> set[str]:
         """The client ids and mm_hashes the first violations name (for an event log)."""
@@ -643,14 +421,3 @@ class SimulatedECWorld:
             if any(name in v for v in violations[:3]):
                 terms.add(name)
         return terms
-
-
-def _pinned(engine: Engine) -> int:
-    return sum(1 for e in engine.scheduler.cache.entries() if e.ctx.pins)
-
-
-def _allocated(engine: Engine) -> int:
-    return sum(1 for e in engine.scheduler.cache.entries() if e.state == "allocated")
-
-
-__all__ = ["ECClient", "ECSimSettings", "ECVariant", "SimulatedECWorld"]

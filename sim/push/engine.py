@@ -3,8 +3,9 @@
 `SimEngine` mirrors `kvhandoff.demo.push_role` over the in-memory fabric: D allocates
 blocks and calls `update_state_after_alloc` with the decode leg's transfer params
 (R-P01, R-P02); P "prefills" (fills each request's blocks with a pattern) and calls
-`request_finished` (R-P03); both then step `build_connector_meta` ->
-`worker.start_load_kv` -> `get_finished` -> `update_connector_output`. The writer
+`request_finished` (R-P03); both then step `build_connector_meta` -> `start_load_kv` ->
+`get_finished` -> `update_connector_output`, all through the `PushSide`, which reads the
+world's virtual clock. The writer
 thread and the handshake executor are actors too: `writer_pass` is one pass of the
 writer loop, `run_job` runs one queued handshake. What ordering they run in is the
 simulator's choice, never this module's.
@@ -22,13 +23,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.adapters.push_side import PushSide
-from kvhandoff.machines.push.d_registration import KIND as D_KIND
-from kvhandoff.machines.push.handshake import KIND as HANDSHAKE_KIND
-from kvhandoff.machines.push.p_lease import KIND as P_KIND
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.handshake import HANDSHAKE
+from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.scheduler import LocalEngine, PushConnectorOutput, Role
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg, prefill_leg
-from kvhandoff.sim.push.fabric import SimHandshakeExecutor
+from kvhandoff.sim.push.executor import SimHandshakeExecutor
 from kvhandoff.sim.push.memory import (
     SCRIBBLE,
     SimBlockPool,
@@ -117,7 +119,7 @@ class SimEngine:
         self.pool = SimBlockPool(world.settings.capacity, world.rng)
         self.arrivals: deque[Arrival] = deque()
         self.requests: dict[str, HeldRequest] = {}
-        self.retired: list[tuple[str, str]] = []
+        self.retired: list[tuple[str, str, bool]] = []  # (key, state, unreported)
         self.last_writer_pass = world.clock.now
         self.dirty = False
         self.alive = True
@@ -141,13 +143,14 @@ class SimEngine:
         self.alive = False
         self.restart_at = world.clock.now + downtime
 
-    def _on_retire(self, inst: Instance) -> None:
-        if inst.kind == D_KIND:
-            self.retired.append((inst.key, inst.state))
+    def _on_retire(self, inst: Instance[Any]) -> None:
+        if inst.machine.decl is D_REGISTRATION:
+            self.retired.append((str(inst.key), inst.state, inst.has("unreported")))
 
-    def _on_bus_error(self, inst: Instance, event: str, exc: BaseException) -> None:
+    def _on_bus_error(self, inst: Instance[Any], event: Event, exc: BaseException) -> None:
         self.world.ledger.violation(
-            f"{self.role} bus: {inst.kind} {inst.key!r} in {inst.state}: {event!r} failed: {exc}"
+            f"{self.role} bus: {inst.kind} {inst.key!r} in {inst.state}: "
+            f"{event.trigger!r} failed: {exc}"
         )
 
     # -- what the scheduler may run ------------------------------------------------------
@@ -177,7 +180,7 @@ class SimEngine:
         """D: when the next step sends heartbeats (R-P15), if any lease needs them."""
         if self.role != "decode" or not self.side.scheduler.has_pending_push_work():
             return None
-        return self.side.worker._next_heartbeat
+        return self.side.worker.next_heartbeat
 
     def writer_due(self) -> bool:
         if not self.alive:
@@ -251,14 +254,10 @@ class SimEngine:
         self.dirty = False
         world = self.world
         self.pool.expire_quarantine(world.clock.now)
-        sched = self.side.scheduler
         output = PushConnectorOutput()
         try:
             self._admit()
-            meta = sched.build_connector_meta()
-            self.side.worker.start_load_kv(meta)
-            output = self.side.get_finished()
-            sched.update_connector_output(output)
+            output = self.side.step()
         except Exception as exc:
             world.ledger.violation(f"{self.role} engine step raised {exc!r}")
         if self.role == "prefill":
@@ -287,7 +286,7 @@ class SimEngine:
         fill_pattern(self.transport, client_id, blocks)
         self.world.ledger.leased(client_id, request_id)
         leg = prefill_leg({"request_id": client_id})
-        self.side.scheduler.request_finished(request_id, blocks, leg["kv_transfer_params"])
+        self.side.request_finished(request_id, blocks, leg["kv_transfer_params"])
 
     def _register(self, client_id: str, request_id: str, blocks: list[int]) -> None:
         fill_constant(self.transport, blocks, 0)
@@ -295,12 +294,14 @@ class SimEngine:
         coords = PrefillCoordinates(prefill.engine_id, prefill.host, prefill.port, 1)
         leg = decode_leg({"request_id": client_id}, coords)
         self.world.ledger.registered(client_id, request_id, tuple(blocks))
-        self.side.scheduler.update_state_after_alloc(request_id, blocks, leg["kv_transfer_params"])
+        self.side.update_state_after_alloc(request_id, blocks, leg["kv_transfer_params"])
 
     def abort(self, request_id: str) -> None:
-        """D's engine aborts a request (the client went away): the abort path."""
-        self.side.scheduler.abort(request_id)
-        self._account_decode(PushConnectorOutput())
+        """D's engine aborts a request (the client went away): the abort path. What the
+        side reported meanwhile (the writer's items it took first) reaches the engine with
+        the next step's output, like any report."""
+        self.side.abort(request_id)
+        self._account_retired(reported_too=False)
 
     # -- outcomes ------------------------------------------------------------------------
 
@@ -338,12 +339,21 @@ class SimEngine:
                 ledger.violation(f"{request_id!r} failed without marking its blocks invalid")
             ledger.d_outcome(request_id, "failed")
             self._quarantine(request_id, held)
+        self._account_retired(reported_too=True)
+
+    def _account_retired(self, *, reported_too: bool) -> None:
+        """Registrations that ended: the unreported ones (expired, aborted) the engine's
+        abort path fails; the reported ones must have been in this step's output."""
+        ledger = self.world.ledger
         retired, self.retired = self.retired, []
-        for request_id, state in retired:
+        for request_id, state, unreported in retired:
+            if not (unreported or reported_too):
+                self.retired.append((request_id, state, unreported))
+                continue
             held = self.requests.pop(request_id, None)
             if held is None:
                 continue
-            if state in ("expired", "aborted"):
+            if unreported:
                 # The engine's request-level abort path fails what the watchdog dropped.
                 ledger.d_outcome(request_id, state)
                 self._quarantine(request_id, held)
@@ -360,7 +370,7 @@ class SimEngine:
     def leftovers(self) -> dict[str, int]:
         """Every table that must be empty once all deadlines passed, with its size."""
         side, writer = self.side, self.side.writer
-        deferred = sum(len(inst.ctx.deferred) for inst in side.writer_bus.instances(HANDSHAKE_KIND))
+        deferred = sum(len(inst.ctx.deferred) for inst in side.writer_bus.instances(HANDSHAKE))
         tables: dict[str, Any] = {
             "push_finished_blocks": writer.push_finished_blocks,
             "pending_d_registrations": writer.pending_d_registrations,
@@ -383,6 +393,6 @@ class SimEngine:
         }
         sizes = {name: len(table) for name, table in tables.items()}
         sizes["handshake_deferred"] = deferred
-        sizes["live_d_registrations"] = side.bus.live(D_KIND)
-        sizes["live_p_leases"] = side.bus.live(P_KIND)
+        sizes["live_d_registrations"] = side.bus.live(D_REGISTRATION)
+        sizes["live_p_leases"] = side.bus.live(P_LEASE)
         return {name: size for name, size in sizes.items() if size}

@@ -18,22 +18,22 @@ network to deliver, so a run is reproducible from its seed.
 - One-shot overrides (`fail_next_handshakes`, `fail_next_write_posts`) and explicit
   `deliver` / `drop` / `duplicate` of any message let a test choose every fault itself.
 
-`SimHandshakeExecutor` stands in for the handshake thread pool: jobs queue up and run
-when the simulator chooses (`run_next`, `run_at`).
+The fault vocabulary (`SimFaults`, `SimTransportError`) lives in `faults.py`, the
+handshake executor (`SimHandshakeExecutor`) in `executor.py`.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from kvhandoff.adapters.push_transport import XferState
 from kvhandoff.machines.runtime.clock import VirtualClock
-from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.handshake import encode_handshake
+from kvhandoff.sim.push.faults import FAULT_NAMES, SimFaults, SimTransportError
 
 if TYPE_CHECKING:
     from kvhandoff.sim.push.transport import SimPushTransport
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FAULT_NAMES",
     "SimFaults",
-    "SimHandshakeExecutor",
     "SimMessage",
     "SimNetwork",
     "SimObserver",
@@ -50,96 +49,6 @@ __all__ = [
 ]
 
 _ADDRESS_STRIDE = 1 << 40  # fake address space per simulated agent
-
-
-class SimTransportError(KvHandoffError):
-    """A simulated transport failure: an injected fault, a dead or partitioned peer.
-
-    `peer_gone` is true when the remote agent no longer exists, as NIXL reports a
-    disconnected remote (`push_transport.peer_gone`, B-08).
-    """
-
-    def __init__(self, message: str, *, peer_gone: bool = False) -> None:
-        self.peer_gone = peer_gone
-        super().__init__(message)
-
-
-# -- faults ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SimFaults:
-    """Fault probabilities; 0 turns one off. Names are the `--faults` vocabulary.
-
-    Network faults are rolled per message or per call; `crash`, `partition`,
-    `clock_jump`, `abort` and `eviction_pressure` are rates the simulator's scheduler
-    reads per step. Each protocol's world reads the faults that apply to it: handshake
-    and WRITE faults are push's (an encoder-cache consumer's `handshake_fail` is loading
-    a producer's agent metadata), READ, eviction and save faults the encoder cache's.
-    """
-
-    drop: float = 0.0  # a notif is lost on the wire
-    delay: float = 0.0  # a notif or transfer arrives late
-    duplicate: float = 0.0  # a notif arrives twice
-    reorder: float = 0.0  # a delivery picks any due message instead of the oldest
-    handshake_fail: float = 0.0  # the side-channel fetch fails
-    handshake_stall: float = 0.0  # the handshake job runs late (maybe past its timeout)
-    write_fail: float = 0.0  # the WRITE fails to post
-    write_error: float = 0.0  # the posted WRITE ends in ERR
-    write_stall: float = 0.0  # the posted WRITE completes very late
-    crash: float = 0.0  # an engine process dies (and restarts later)
-    partition: float = 0.0  # P and D cannot reach each other for a while
-    clock_jump: float = 0.0  # the clock leaps forward, every actor stalled meanwhile
-    abort: float = 0.0  # D's engine aborts a request (client gone)
-    read_fail: float = 0.0  # encoder cache: the consumer's NIXL READ ends in ERR
-    read_stall: float = 0.0  # encoder cache: the READ completes very late
-    eviction_pressure: float = 0.0  # encoder cache: a burst of saves fills the producer
-    slow_save: float = 0.0  # encoder cache: a GPU->mmap save lands late (NACK_NOT_READY)
-
-    @classmethod
-    def none(cls) -> SimFaults:
-        return cls()
-
-    @classmethod
-    def default(cls) -> SimFaults:
-        """Every fault on, at rates that leave most requests completing."""
-        return cls(
-            drop=0.03,
-            delay=0.1,
-            duplicate=0.05,
-            reorder=0.3,
-            handshake_fail=0.05,
-            handshake_stall=0.05,
-            write_fail=0.04,
-            write_error=0.03,
-            write_stall=0.05,
-            crash=0.0006,
-            partition=0.0008,
-            clock_jump=0.01,
-            abort=0.004,
-            read_fail=0.04,
-            read_stall=0.04,
-            eviction_pressure=0.01,
-            slow_save=0.2,
-        )
-
-    @classmethod
-    def select(cls, names: Iterable[str]) -> SimFaults:
-        """The default rates of the named faults only; `all` names every fault."""
-        wanted = set(names)
-        if "all" in wanted:
-            return cls.default()
-        unknown = sorted(wanted - set(FAULT_NAMES) - {"none"})
-        if unknown:
-            raise LocalProtocolError(f"unknown faults {unknown}; known: {', '.join(FAULT_NAMES)}")
-        default = cls.default()
-        return cls(**{name: getattr(default, name) for name in FAULT_NAMES if name in wanted})
-
-    def enabled(self) -> list[str]:
-        return [name for name in FAULT_NAMES if getattr(self, name) > 0]
-
-
-FAULT_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SimFaults))
 
 
 # -- messages and transfers ------------------------------------------------------------
@@ -162,7 +71,7 @@ class SimTransfer:
     remote_ids: tuple[int, ...]
     pairs: tuple[tuple[int, int], ...]  # (local allocation, remote region) per member
     notif: bytes
-    state: XferState = "PROC"
+    xfer_status: XferState = "PROC"
     released: bool = False
     fail_on_delivery: bool = False
 
@@ -261,7 +170,7 @@ class SimNetwork:
         for msg in self.in_flight:
             if msg.src_agent in gone or msg.dst_agent in gone:
                 if msg.transfer is not None and msg.src_agent not in gone:
-                    msg.transfer.state = "ERR"  # the initiator learns on its next poll
+                    msg.transfer.xfer_status = "ERR"  # the initiator learns on its next poll
                 continue
             kept.append(msg)
         self.in_flight = kept
@@ -426,7 +335,7 @@ class SimNetwork:
         """Lose the message at `index` (a transfer's data loss ends the transfer in ERR)."""
         msg = self.in_flight.pop(index)
         if msg.transfer is not None:
-            msg.transfer.state = "ERR"
+            msg.transfer.xfer_status = "ERR"
         self._count("dropped")
         return msg
 
@@ -453,14 +362,14 @@ class SimNetwork:
         src = self.agents.get(transfer.src_agent)
         dst = self.agents.get(transfer.dst_agent)
         if src is None or dst is None:
-            transfer.state = "ERR"
+            transfer.xfer_status = "ERR"
             return
         if transfer.fail_on_delivery:
             _land(src, dst, transfer, partial=True)
-            transfer.state = "ERR"
+            transfer.xfer_status = "ERR"
             return
         _land(src, dst, transfer, partial=False)
-        transfer.state = "DONE"
+        transfer.xfer_status = "DONE"
         if self.observer is not None and transfer.op == "WRITE":
             self.observer.write_landed(transfer)
         if transfer.notif:
@@ -494,50 +403,3 @@ def _land(
             peer.write_block(remote_region, rid, bytes(initiator.block(local_alloc, lid)))
         else:
             initiator.write_block(local_alloc, lid, bytes(peer.block(remote_region, rid)))
-
-
-# -- the handshake executor ----------------------------------------------------------------
-
-
-@dataclass(eq=False, slots=True)
-class _Job:
-    run: Callable[[], None]
-    ready_at: float
-    seq: int
-
-
-@dataclass(slots=True)
-class SimHandshakeExecutor:
-    """Handshake jobs held until the simulator runs them (never a thread)."""
-
-    network: SimNetwork
-    jobs: list[_Job] = field(default_factory=list)
-    _seq: itertools.count[int] = field(default_factory=itertools.count)
-
-    def submit(self, job: Callable[[], None]) -> None:
-        ready = self.network.clock.now
-        if self.network.roll("handshake_stall"):
-            ready += self.network.rng.uniform(*self.network.stall_s) / 4
-        self.jobs.append(_Job(job, ready, next(self._seq)))
-
-    def ready(self) -> list[int]:
-        now = self.network.clock.now
-        return [i for i, job in enumerate(self.jobs) if job.ready_at <= now]
-
-    def next_ready(self) -> float | None:
-        return min((job.ready_at for job in self.jobs), default=None)
-
-    def run_at(self, index: int) -> None:
-        """Run the job at `index` now, whatever its ready time."""
-        self.jobs.pop(index).run()
-
-    def run_next(self) -> bool:
-        ready = self.ready()
-        if not ready:
-            return False
-        self.run_at(min(ready, key=lambda i: self.jobs[i].seq))
-        return True
-
-    def discard(self) -> None:
-        """The process died: queued jobs never run."""
-        self.jobs.clear()

@@ -218,16 +218,16 @@ class SimPushTransport:
 
     def poll(self, handle: TransferHandle) -> XferState:
         assert isinstance(handle, SimTransfer)
-        return handle.state
+        return handle.xfer_status
 
     def release(self, handle: TransferHandle) -> None:
         """Free a handle; one still in flight is cancelled (its data never lands)."""
         assert isinstance(handle, SimTransfer)
         if handle.released:
             return
-        if handle.state == "PROC":
+        if handle.xfer_status == "PROC":
             self.network.cancel(handle)
-            handle.state = "ERR"
+            handle.xfer_status = "ERR"
         handle.released = True
 
     # -- memory ---------------------------------------------------------------------------

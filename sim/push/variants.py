@@ -12,13 +12,13 @@ finding bugs. `tests/test_push_simulate.py` demands each is caught within 200 se
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from kvhandoff.machines.push import p_lease as push_p_lease
 from kvhandoff.machines.push.effects import IssueWrite, QueueEviction
-from kvhandoff.machines.runtime.effects import Metric
+from kvhandoff.machines.push.events import LeaseExpired
+from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
+from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.sim.push.engine import SimEngine
 from kvhandoff.sim.push.world import Variant
 
@@ -27,10 +27,10 @@ def lease_never_freed(engine: SimEngine) -> None:
     if engine.role != "prefill":
         return
 
-    def reap_without_free(inst: Any, payload: Any) -> list[object]:
-        return [QueueEviction(inst.key), Metric("push.p.lease_expired")]
+    def reap_without_free(ctx: PLeaseCtx, event: LeaseExpired) -> list[Effect]:
+        return [QueueEviction(ctx.key), Metric("push.p.lease_expired")]
 
-    for route in engine.side.bus.machine(push_p_lease.KIND).routes:
+    for route in engine.side.bus.machine(P_LEASE).routes:
         if route.action is push_p_lease.reap:
             route.action = reap_without_free
 
@@ -59,11 +59,11 @@ def write_wrong_blocks(engine: SimEngine) -> None:
     side = engine.side
     issue = side._issue_write
 
-    def shifted(effect: IssueWrite) -> None:
+    def shifted(effect: IssueWrite, now: float) -> None:
         reg = effect.registration
         moved = tuple(b + 1 for b in reg.block_ids)
         wrong = msgspec.structs.replace(reg, block_ids=moved)
-        issue(IssueWrite(effect.request_id, effect.block_ids, wrong, effect.sender_agent))
+        issue(IssueWrite(effect.request_id, effect.block_ids, wrong, effect.sender_agent), now)
 
     side._issue_write = shifted  # type: ignore[method-assign]
 

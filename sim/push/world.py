@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.d_registration import KIND as D_KIND
-from kvhandoff.machines.push.p_lease import KIND as P_KIND
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.blocks import expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError
@@ -244,7 +244,7 @@ class SimulatedPushWorld:
 
     def abort_one(self) -> None:
         decode = self.decode
-        live = [rid for rid in decode.requests if decode.side.bus.get(D_KIND, rid)]
+        live = [rid for rid in decode.requests if decode.side.bus.get(D_REGISTRATION, rid)]
         if decode.alive and live:
             victim = self.rng.choice(sorted(live))
             self.note(f"abort {victim}")
@@ -434,7 +434,7 @@ class SimulatedPushWorld:
             if not record.probe:
                 requests += 1
             lease_gone = record.p_id is not None and not self.prefill.side.bus.get(
-                P_KIND, record.p_id
+                P_LEASE, record.p_id
             )
             if record.p == "leased" and lease_gone:
                 leaked += 1
@@ -493,7 +493,7 @@ class SimulatedPushWorld:
         if p_id is None or held is None:
             ledger.violation(f"WRITE for {d_id!r} from P blocks no single request holds")
             return
-        if prefill.side.bus.get(P_KIND, p_id) is None:
+        if prefill.side.bus.get(P_LEASE, p_id) is None:
             ledger.violation(f"WRITE for {p_id!r} after its lease ended")
         if tuple(physical_ids(prefill.transport, held.blocks)) != transfer.local_ids:
             ledger.violation(f"WRITE for {p_id!r} reads blocks other than its lease's")

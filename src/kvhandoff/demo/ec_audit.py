@@ -12,16 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.machines.ec.cache_entry import ENTRY_KIND
-from kvhandoff.machines.ec.copy_batch import COPY_BATCH_KIND
+from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
 
 
 def _transient(side: ECSide) -> int:
     """Lifecycles that end by themselves (timeouts, completions) once traffic stops."""
-    sched = side.scheduler
-    live = sum(sched.bus.live(kind) for kind in sched.bus.kinds() if kind != ENTRY_KIND)
-    live += sum(inst.state != "ready" for inst in sched.cache.entries())
-    return live + side.worker.bus.live(COPY_BATCH_KIND) + side.reads_in_flight()
+    bus = side.scheduler.bus
+    kinds = [bus.machine_named(name).decl for name in bus.kinds()]
+    live = sum(bus.live(kind) for kind in kinds if kind is not EC_CACHE_ENTRY)
+    live += sum(not inst.has("evictable") for inst in side.scheduler.cache.entries())
+    return live + side.worker.bus.live(EC_COPY_BATCH) + side.reads_in_flight()
 
 
 def settled(side: ECSide) -> bool:
@@ -34,7 +35,8 @@ def audit(side: ECSide) -> dict[str, Any]:
     the pool, the eviction order and the entries agree."""
     sched = side.scheduler
     cache = sched.cache
-    ready_blocks = sum(len(e.ctx.blocks) for e in cache.entries() if e.state == "ready")
+    cached = [e for e in cache.entries() if e.has("evictable")]
+    cached_blocks = sum(len(e.ctx.blocks) for e in cached)
     try:
         cache.check()
         consistent = True
@@ -42,9 +44,9 @@ def audit(side: ECSide) -> dict[str, Any]:
         consistent = False
     producer = sched.producer
     return {
-        "leaked_blocks": cache.pool.num_blocks - cache.pool.free_count - ready_blocks,
+        "leaked_blocks": cache.pool.num_blocks - cache.pool.free_count - cached_blocks,
         "live_lifecycles": _transient(side),
         "pinned_grants": 0 if producer is None else len(producer.grants()),
-        "cached_entries": sum(e.state == "ready" for e in cache.entries()),
+        "cached_entries": len(cached),
         "pool_consistent": consistent,
     }

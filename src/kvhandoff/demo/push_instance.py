@@ -69,12 +69,12 @@ class LivePushInstance:
 
     def step(self) -> PushConnectorOutput:
         """One engine step of the connector: meta, start_load_kv, get_finished, output."""
-        sched = self.side.scheduler
-        meta = sched.build_connector_meta()
-        self.side.worker.start_load_kv(meta)
-        output = self.side.get_finished()
-        sched.update_connector_output(output)
-        return output
+        return self.side.step()
+
+    def live_lifecycles(self) -> int:
+        """Lifecycles still live on the main-thread bus (zero once everything resolved)."""
+        bus = self.side.bus
+        return sum(len(bus.machine_named(name).index) for name in bus.kinds())
 
     def counters(self) -> dict[str, Any]:
         return {

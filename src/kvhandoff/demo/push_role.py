@@ -100,7 +100,7 @@ def run_push_role(opts: RoleOptions) -> int:
         writer_errors=counters["writer_errors"],
         injected=dict(getattr(live.transport, "injected", {})),
         leaked_blocks=live.memory.shape.num_blocks - live.memory.free_count,
-        live_lifecycles=sum(live.side.bus.live(k) for k in live.side.bus.kinds()),
+        live_lifecycles=live.live_lifecycles(),
         rss_mb=rss_mb(),
     )
     emit("summary", **summary)
@@ -161,7 +161,7 @@ class _Loop:
 
 class _PrefillLoop(_Loop):
     def run(self) -> dict[str, Any]:
-        sched = self.side.scheduler
+        side = self.side
         sent = 0
         while time.monotonic() < self.deadline:
             batch = self._fitting(self.todo[: self._admit()])
@@ -170,7 +170,7 @@ class _PrefillLoop(_Loop):
                 blocks = self.memory.allocate(req.num_blocks)
                 self.memory.fill(req.client_id, blocks)
                 self.blocks[rid], self.client_of[rid] = blocks, req.client_id
-                _, params = sched.request_finished(rid, blocks, {"do_remote_decode": True})
+                _, params = side.request_finished(rid, blocks, {"do_remote_decode": True})
                 self.started += 1
                 nbytes = req.num_blocks * self.memory.shape.block_len * self.memory.shape.regions
                 emit("finished", client=req.client_id, t=time.time(), bytes=nbytes, params=params)
@@ -182,7 +182,7 @@ class _PrefillLoop(_Loop):
                 self.memory.free(self.blocks.pop(rid))
                 sent += 1
                 self.completed += 1
-            if not self.todo and not sched.has_pending_push_work():
+            if not self.todo and not side.scheduler.has_pending_push_work():
                 break
             self.idle()
         return {
@@ -199,7 +199,7 @@ class _DecodeLoop(_Loop):
     the proxy (the launcher) once P has finished the prefill."""
 
     def run(self) -> dict[str, Any]:
-        sched = self.side.scheduler
+        side = self.side
         legs = self._legs()
         expected = len(self.todo)
         sizes = {req.client_id: req.num_blocks for req in self.todo}
@@ -210,7 +210,7 @@ class _DecodeLoop(_Loop):
                 blocks = self.memory.allocate(sizes[client_id])
                 self.memory.clear(blocks)
                 self.blocks[rid], self.client_of[rid] = blocks, client_id
-                sched.update_state_after_alloc(rid, blocks, params)
+                side.update_state_after_alloc(rid, blocks, params)
                 started += 1
                 self.started = started
             if started == 1 and self.rss_start is None:
@@ -238,7 +238,7 @@ class _DecodeLoop(_Loop):
                 break
             self.idle()
         for rid in list(self.blocks):
-            sched.abort(rid)
+            side.abort(rid)
             emit("failed", client=self.client_of[rid], reason="deadline passed")
         return {
             "role": "decode",

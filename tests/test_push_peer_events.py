@@ -1,0 +1,215 @@
+"""Events a peer provokes never crash the engine, and what crosses the scheduler/worker
+boundary is plain data.
+
+A completion notif and a `PUSH_FAIL` for the same request, in either order, duplicated,
+or arriving after the request ended, used to raise `LocalProtocolError` out of the decode
+worker's `get_finished` and kill the decode process. Now each is a peer event: one the
+state does not declare is a `RemoteProtocolError` that the worker counts and logs per
+peer (S-06) and that changes no state (S-01). The same holds a level up, through a whole
+`PushSide` over the simulated fabric.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.effects import ForwardToMain, ReportToMain
+from kvhandoff.machines.push.events import Matched, RegSent
+from kvhandoff.machines.push.p_lease import P_LEASE
+from kvhandoff.machines.push.scheduler import (
+    LocalEngine,
+    PushConnectorMeta,
+    PushConnectorOutput,
+    PushScheduler,
+    register_push_machines,
+)
+from kvhandoff.machines.push.worker import PushWorker, WriterItem
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.protocol.legs import PrefillCoordinates, PullSource, decode_leg
+from kvhandoff.protocol.notifs import (
+    CompletionNotif,
+    WriteFailedNotif,
+    encode_write_failed,
+    parse_notif,
+)
+from kvhandoff.protocol.push_config import PushConfig
+from kvhandoff.protocol.push_wire import PushRegistration
+from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
+
+P_COORDS = PrefillCoordinates("prefill-0", "10.0.0.1", 5600, 1)
+D_ENGINE = LocalEngine("decode-0", "10.0.0.2", 5700)
+RID = "cmpl-13-0-dddddddd"
+P_AGENT = "prefill-0-agent1"
+DONE = ForwardToMain(CompletionNotif(RID, 1), P_AGENT)
+FAIL = ForwardToMain(WriteFailedNotif(RID, "WRITE failed to post"), P_AGENT)
+
+
+class Decode:
+    """D's scheduler and worker on one bus, at t = 0, with one registration sent."""
+
+    def __init__(self) -> None:
+        self.bus = EventBus()
+        register_push_machines(self.bus, PushConfig())
+        self.sched = PushScheduler(self.bus, "decode", D_ENGINE)
+        self.worker = PushWorker(self.bus, "decode", D_ENGINE, now=0.0)
+        params = decode_leg({}, P_COORDS)["kv_transfer_params"]
+        self.sched.update_state_after_alloc(RID, [1, 2], params, 0.0)
+        self.worker.start_load_kv(self.sched.build_connector_meta(0.0), 0.0)
+        self.worker.get_finished([ReportToMain(RID, RegSent())], 0.0)
+        assert self.bus.has_tag(D_REGISTRATION, RID, "needs_heartbeat")
+
+    def deliver(self, *items: WriterItem) -> PushConnectorOutput:
+        output = self.worker.get_finished(items, 1.0)  # must not raise
+        self.sched.update_connector_output(output, 1.0)
+        return output
+
+    @property
+    def rejected(self) -> int:
+        return self.worker.rejected_notifs
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    yield
+    logging.getLogger("kvhandoff").setLevel(logging.NOTSET)
+
+
+def test_S_01_S_06_B06_push_fail_right_after_the_completion_is_rejected_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = Decode()
+    with caplog.at_level(logging.WARNING, logger="kvhandoff"):
+        output = d.deliver(DONE, FAIL)
+    assert output.finished_recving == {RID} and output.failed_recving == {}
+    assert output.invalid_block_ids == set(), "the received blocks stay valid"
+    assert d.rejected == 1
+    assert d.worker.rejections.count(P_AGENT) == 1
+    assert d.bus.get(D_REGISTRATION, RID) is None, "received, confirmed, retired"
+    assert d.bus.counters(D_REGISTRATION).errors == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "rejected notif" in r.getMessage()]
+    assert P_AGENT in warning and "write_failed" in warning
+
+
+def test_S_01_S_06_B06_completion_right_after_a_push_fail_is_rejected_not_raised() -> None:
+    d = Decode()
+    output = d.deliver(FAIL, DONE)
+    assert output.finished_recving == set()
+    assert output.failed_recving == {RID: "P: WRITE failed to post"}
+    assert output.invalid_block_ids == {1, 2}
+    assert d.rejected == 1, "the completion names a request that already failed"
+    assert d.bus.live(D_REGISTRATION) == 0
+
+
+def test_S_01_S_06_R_P09_duplicated_notifs_change_nothing() -> None:
+    failed = Decode()
+    output = failed.deliver(FAIL, FAIL)
+    assert list(output.failed_recving) == [RID] and failed.rejected == 1
+    received = Decode()
+    output = received.deliver(DONE, DONE)  # a duplicate before the engine confirms
+    assert output.finished_recving == {RID}
+    assert received.rejected == 0 and received.bus.counters(D_REGISTRATION).ignored == 1
+    late = received.deliver(DONE, FAIL)  # both after the request ended
+    assert late == PushConnectorOutput()
+    assert received.rejected == 2
+    assert received.bus.counters(D_REGISTRATION).errors == 0
+
+
+def test_S_01_S_06_R_P04_a_match_the_lease_cannot_take_is_rejected() -> None:
+    """`Matched` follows D's PUSH_REG: refused in a state that does not declare it (the
+    lease's blocks were never staged), it is counted against the agent that sent it."""
+    bus = EventBus()
+    register_push_machines(bus, PushConfig())
+    engine = LocalEngine("prefill-0", "10.0.0.1", 5600)
+    sched = PushScheduler(bus, "prefill", engine)
+    worker = PushWorker(bus, "prefill", engine, now=0.0)
+    sched.request_finished("cmpl-14-0-0a0a0a0a", [3], {"do_remote_decode": True}, 0.0)
+    matched = ReportToMain("cmpl-14-0-0a0a0a0a", Matched(), peer="decode-0-agent1")
+    worker.get_finished([matched], 0.0)
+    assert worker.rejections.count("decode-0-agent1") == 1
+    assert bus.has_tag(P_LEASE, "cmpl-14-0-0a0a0a0a", "drainable"), "nothing changed"
+
+
+# -- through a whole side over the simulated fabric ----------------------------------------
+
+
+def _world() -> SimulatedPushWorld:
+    logging.getLogger("kvhandoff").setLevel(logging.CRITICAL)
+    return SimulatedPushWorld(5, settings=SimSettings(leg_spread_s=0.0))
+
+
+def _push_fail_beside_each_completion(w: SimulatedPushWorld, *, before: bool) -> None:
+    """D's agent sees a `PUSH_FAIL` for the same request right after (or right before)
+    every completion notif, in the same `get_new_notifs` batch."""
+    transport = w.decode.transport
+    get_new_notifs = transport.get_new_notifs
+
+    def with_push_fail() -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        for peer, message in get_new_notifs():
+            notif = parse_notif(message, peer=peer)
+            if isinstance(notif, CompletionNotif):
+                fail = (peer, encode_write_failed(notif.request_id, "forged failure"))
+                out += [fail, (peer, message)] if before else [(peer, message), fail]
+            else:
+                out.append((peer, message))
+        return out
+
+    transport.get_new_notifs = with_push_fail  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["fail-after", "fail-before"])
+def test_S_01_S_06_B06_the_decode_side_survives_completion_and_push_fail_together(
+    before: bool,
+) -> None:
+    w = _world()
+    _push_fail_beside_each_completion(w, before=before)
+    clients = [w.issue(2) for _ in range(3)]
+    w.run_for(2.0)
+    assert w.ledger.violations == [], "no engine step raised"
+    outcomes = {w.ledger.clients[c].d for c in clients}
+    assert outcomes == ({"failed"} if before else {"received"})
+    assert w.decode.side.worker.rejected_notifs == 3, "one rejection per request"
+    w.settle()
+    result = w.final_check()
+    assert result.ok, (result.violations, result.leftovers)
+
+
+# -- the scheduler <-> worker boundary -----------------------------------------------------
+
+
+def test_R_P02_R_P03_R_P09_connector_meta_and_output_round_trip_through_msgpack() -> None:
+    registration = PushRegistration(
+        request_id=RID,
+        decode_engine_id="decode-0",
+        decode_host="10.0.0.2",
+        decode_port=5700,
+        decode_tp_size=1,
+        decode_tp_rank=0,
+        block_ids=(1, 2),
+        remote_engine_id="prefill-0",
+        remote_host="10.0.0.1",
+        remote_port=5600,
+        remote_tp_size=1,
+    )
+    meta = PushConnectorMeta(
+        push_registrations={RID: registration},
+        push_finished_blocks={"cmpl-13-0-0a0a0a0a": (7, 8, 9)},
+        pull_reads={"cmpl-13-1-dddddddd": PullSource(P_COORDS, "cmpl-13-1-0a0a0a0a", (4,))},
+    )
+    output = PushConnectorOutput(
+        finished_sending={"cmpl-13-0-0a0a0a0a"},
+        finished_recving={RID},
+        failed_recving={"cmpl-13-2-dddddddd": "P: WRITE failed to post"},
+        invalid_block_ids={5, 6},
+    )
+    for record in (meta, output, PushConnectorMeta(), PushConnectorOutput()):
+        data = msgspec.msgpack.encode(record)
+        assert msgspec.msgpack.decode(data, type=type(record)) == record
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=PushConnectorMeta)
+    assert decoded.pull_reads["cmpl-13-1-dddddddd"].prefill == P_COORDS
+    assert decoded.push_finished_blocks["cmpl-13-0-0a0a0a0a"] == (7, 8, 9)
