@@ -263,10 +263,18 @@ class PushWriterSide:
         return local, remote
 
     def _issue_read(self, effect: IssueRead, now: float) -> None:
-        """Pull mode (B-09): READ P's blocks into D's; the notif tells P to free its lease."""
+        """Pull mode (B-09): READ P's blocks into D's; the notif tells P to free its lease.
+        Posted and reported under the lease lock, as a WRITE is: D's watchdog never gives
+        up blocks a posted READ writes into, and a read that ended is never posted."""
+        with self._lease_lock:
+            self._post_read(effect, now)
+
+    def _post_read(self, effect: IssueRead, now: float) -> None:
         source = effect.source
         peer = self.transport.peer(source.prefill.engine_id)
         try:
+            if effect.request_id in self._ended_leases:
+                raise KvHandoffError("the read ended before its READ was posted")
             if peer is None:
                 raise KvHandoffError(f"no connected agent for {source.prefill.engine_id}")
             local, remote = self._physical_pair(

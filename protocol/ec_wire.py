@@ -8,7 +8,8 @@ Envelope. Every EC message, in every connector version, is a msgpack map holding
 `kind` (str: the message name), `version` (int), `transfer_id` (str) and `mm_hash` (str).
 The decoders read that envelope leniently first, so a peer of another version can still
 be answered: a foreign-version `XferReq` decodes to a placeholder request whose other
-fields are empty, which `check_xfer_req` answers with `NACK_VERSION`; a foreign-version
+fields are empty, which `ec_grants.check_xfer_req` answers with `NACK_VERSION`; a
+foreign-version
 `XferAck` decodes to a `NACK_VERSION` ack. Everything else is decoded strictly (exact
 types, no unknown fields, bounded sizes) and every failure raises `RemoteProtocolError`.
 
@@ -39,8 +40,6 @@ __all__ = [
     "XferAck",
     "XferDone",
     "XferReq",
-    "check_xfer_ack",
-    "check_xfer_req",
     "decode_producer_message",
     "decode_xfer_ack",
     "decode_xfer_done",
@@ -48,8 +47,7 @@ __all__ = [
     "encode_xfer_ack",
     "encode_xfer_done",
     "encode_xfer_req",
-    "grant_ack",
-    "nack",
+    "validate_grant",
 ]
 
 MAX_ID_CHARS: Final[int] = 256
@@ -287,7 +285,10 @@ def decode_producer_message(data: _Bytes, *, peer: str | None = None) -> XferReq
     raise RemoteProtocolError(f"unexpected EC message kind {env.kind!r} at producer", peer=peer)
 
 
-def _validate_grant(ack: XferAck, peer: str | None) -> None:
+def validate_grant(ack: XferAck, peer: str | None) -> None:
+    """Raise `RemoteProtocolError` unless `ack` is coherent: an `OK` ack describes a
+    grant (agent name and metadata, distinct blocks that hold `size_bytes`, a positive
+    lease); a NACK grants no blocks."""
     where = f"XferAck {ack.transfer_id!r}"
     if ack.status is not XferStatus.OK:
         if ack.block_indices:
@@ -346,101 +347,5 @@ def decode_xfer_ack(data: _Bytes, *, peer: str | None = None) -> XferAck:
             producer_agent_name="",
         )
     ack = _strict(_ACK_DECODER, "XferAck", data, peer)
-    _validate_grant(ack, peer)
-    return ack
-
-
-# -- checks and builders ----------------------------------------------------------------
-
-
-def check_xfer_req(req: XferReq, *, expected_hash: str) -> XferStatus | None:
-    """The NACK a producer owes `req` before looking it up, or None when it may proceed.
-
-    Version first (`NACK_VERSION`, R-E09), then compatibility (`NACK_INCOMPAT`, R-E10).
-    Presence and readiness (`NACK_MISSING`, `NACK_NOT_READY`) are the producer's to check.
-    """
-    if req.version != EC_CONNECTOR_VERSION:
-        return XferStatus.NACK_VERSION
-    if req.compat_hash != expected_hash:
-        return XferStatus.NACK_INCOMPAT
-    return None
-
-
-def check_xfer_ack(
-    ack: XferAck, req: XferReq, *, block_size_bytes: int | None = None, peer: str | None = None
-) -> None:
-    """Raise `RemoteProtocolError` unless `ack` answers `req` (and, on OK, fits it).
-
-    Checks the echoed `transfer_id` and `mm_hash`; for an `OK` grant also that it names
-    `req.num_blocks` blocks holding `req.size_bytes` bytes, and, when given, that the
-    producer's block size equals the consumer's `block_size_bytes`.
-    """
-    if (ack.transfer_id, ack.mm_hash) != (req.transfer_id, req.mm_hash):
-        raise RemoteProtocolError(
-            f"XferAck for ({ack.transfer_id!r}, {ack.mm_hash!r}) does not answer "
-            f"XferReq ({req.transfer_id!r}, {req.mm_hash!r})",
-            peer=peer,
-        )
-    if ack.status is not XferStatus.OK:
-        return
-    if len(ack.block_indices) != req.num_blocks or ack.size_bytes != req.size_bytes:
-        raise RemoteProtocolError(
-            f"XferAck {ack.transfer_id!r} grants {len(ack.block_indices)} blocks / "
-            f"{ack.size_bytes} bytes, requested {req.num_blocks} / {req.size_bytes}",
-            peer=peer,
-        )
-    if block_size_bytes is not None and ack.block_size_bytes != block_size_bytes:
-        raise RemoteProtocolError(
-            f"XferAck {ack.transfer_id!r} has block_size_bytes {ack.block_size_bytes}, "
-            f"local layout uses {block_size_bytes}",
-            peer=peer,
-        )
-
-
-def nack(req: XferReq, status: XferStatus, *, producer_agent_name: str = "") -> XferAck:
-    """The refusal of `req` with `status` (any status but `OK`), at this connector version."""
-    if status is XferStatus.OK:
-        raise LocalProtocolError("nack() needs a NACK status; use grant_ack() to grant")
-    return XferAck(
-        version=EC_CONNECTOR_VERSION,
-        transfer_id=req.transfer_id,
-        mm_hash=req.mm_hash,
-        status=status,
-        producer_agent_name=producer_agent_name,
-    )
-
-
-def grant_ack(
-    req: XferReq,
-    *,
-    producer_agent_name: str,
-    producer_agent_metadata: bytes,
-    block_indices: list[int],
-    block_size_bytes: int,
-    size_bytes: int,
-    region_base_addr: int,
-    lease_s: float,
-) -> XferAck:
-    """The `OK` answer to `req`; `LocalProtocolError` if the grant is incoherent.
-
-    Coherent means what `decode_xfer_ack` demands of an `OK` ack: an agent name and
-    metadata, distinct non-negative blocks that hold `size_bytes`, a positive lease.
-    """
-    ack = XferAck(
-        version=EC_CONNECTOR_VERSION,
-        transfer_id=req.transfer_id,
-        mm_hash=req.mm_hash,
-        status=XferStatus.OK,
-        producer_agent_name=producer_agent_name,
-        producer_agent_metadata=producer_agent_metadata,
-        block_indices=list(block_indices),
-        block_size_bytes=block_size_bytes,
-        size_bytes=size_bytes,
-        region_base_addr=region_base_addr,
-        lease_s=float(lease_s),
-    )
-    try:
-        _validate_grant(ack, None)
-    except RemoteProtocolError as exc:
-        raise LocalProtocolError(f"invalid grant: {exc}") from exc
+    validate_grant(ack, peer)
     return ack

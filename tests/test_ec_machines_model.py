@@ -23,8 +23,9 @@ from kvhandoff.machines.ec.request import (
 )
 from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, Register
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.protocol.ec_grants import grant_ack, nack
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus, compatibility_hash
-from kvhandoff.protocol.ec_wire import XferAck, XferReq, grant_ack, nack
+from kvhandoff.protocol.ec_wire import XferAck, XferReq
 from kvhandoff.testing import run_model_test
 
 COMPAT = compatibility_hash("1.0", "model", "bfloat16", 8)

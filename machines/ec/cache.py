@@ -86,7 +86,8 @@ class EmbeddingCache:
         already has an entry.
         """
         bus = self.bus
-        bus.fire_due(now)
+        if now > bus.now:  # what is due first (a quarantine that ended frees its blocks)
+            bus.fire_due(now)
         if bus.get(EC_CACHE_ENTRY, mm_hash) is not None:
             return None
         if num_blocks > self.pool.free_count + self.order.evictable_weight:

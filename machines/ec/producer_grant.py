@@ -35,8 +35,9 @@ from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Emit, Metric
 from kvhandoff.machines.runtime.events import Event, PeerEvent
 from kvhandoff.protocol.ec_config import DEFAULT_PIN_LEASE_S
+from kvhandoff.protocol.ec_grants import grant_ack, nack
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
-from kvhandoff.protocol.ec_wire import XferAck, XferReq, grant_ack, nack
+from kvhandoff.protocol.ec_wire import XferAck, XferReq
 
 __all__ = [
     "EC_PRODUCER_GRANT",

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
 from kvhandoff.machines.ec.request import EC_REQUEST
-from kvhandoff.sim.ec.plane import Engine
+from kvhandoff.sim.ec.engine import Engine
+from kvhandoff.sim.ec.faults import heal, restart
 from kvhandoff.sim.ec.settings import Phase
 from kvhandoff.sim.push.fabric import SimFaults
 from kvhandoff.sim.push.world import SimRunResult
@@ -56,9 +57,9 @@ def settle(world: SimulatedECWorld) -> None:
     world.faults = SimFaults.none()
     world.plane.faults = world.faults
     if world.heal_at is not None:
-        world.heal()
+        heal(world)
     for which in sorted(world.restart_at):
-        world.restart(which)
+        restart(world, which)
     run_for(world, world.settings.settle_span_s)
 
 

@@ -8,13 +8,12 @@ and `ECWorker` halves) on a `VirtualClock`, with one seeded `random.Random`:
   dropped, delayed or duplicated (`SimFaults`, or one-shot faults a test arms). While
   partitioned, messages wait for the heal (TCP retransmits); a disconnect (ZMQ heartbeat
   loss) drops what is in flight and tells both ends.
-- Data plane: `IssueRead` becomes a NIXL READ that completes after a delay, fails, or
-  stalls; loading a new producer agent may fail (`handshake_fail`). Across a partition
-  a READ waits for the heal; a READ from a crashed producer fails. A READ nobody awaits
-  any more (its read ended, its quarantine too) is cancelled, as the real reader
-  releases its handle: it lands nowhere.
+- Data plane (`data_plane.DataPlane`): `IssueRead` becomes a NIXL READ that completes
+  after a delay, fails, or stalls; a READ nobody awaits any more is cancelled.
 - Copies: `CopyBlocks` lands after a delay (`slow_save` makes saves late, so consumers
   meet `NACK_NOT_READY`); a save writes the entry's tag into its blocks, a load checks it.
+
+The engines themselves (`Engine`, `layout`, `transfer_config`) live in `engine`.
 
 Regions hold one tag per block (the `mm_hash` whose bytes it holds), so a READ or a load
 of the wrong blocks is caught: the plane records a violation instead of raising, and the
@@ -31,21 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
-from kvhandoff.machines.ec.consumer_read import (
-    EC_CONSUMER_READ,
-    IssueRead,
-    SendXferDone,
-    SendXferReq,
-)
+from kvhandoff.machines.ec.consumer_read import IssueRead, SendXferDone, SendXferReq
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.producer_grant import SendXferAck
-from kvhandoff.machines.ec.request import FailRequest
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.ec.worker import ECWorker
 from kvhandoff.machines.runtime.clock import VirtualClock
-from kvhandoff.protocol.ec_config import ECLayout, ECRole, ECTransferConfig
-from kvhandoff.protocol.ec_status import XferStatus, compatibility_hash
+from kvhandoff.protocol.ec_config import ECRole
+from kvhandoff.protocol.ec_status import XferStatus
 from kvhandoff.protocol.ec_wire import (
     XferAck,
     decode_xfer_ack,
@@ -54,54 +47,13 @@ from kvhandoff.protocol.ec_wire import (
     encode_xfer_req,
 )
 from kvhandoff.protocol.errors import RemoteProtocolError
+from kvhandoff.sim.ec.data_plane import DataPlane
+from kvhandoff.sim.ec.engine import BLOCK_BYTES, COMPAT, Engine, layout, transfer_config
 from kvhandoff.sim.push.fabric import SimFaults
 
 __all__ = ["BLOCK_BYTES", "COMPAT", "Engine", "SimECPlane", "layout", "transfer_config"]
 
-HIDDEN = 4
-DTYPE_SIZE = 2
-BLOCK_BYTES = HIDDEN * DTYPE_SIZE
-COMPAT = compatibility_hash("1.0", "model", "bfloat16", BLOCK_BYTES)
 TO_PRODUCER, TO_CONSUMER = "to_producer", "to_consumer"
-
-
-def layout(num_blocks: int) -> ECLayout:
-    return ECLayout(hidden_dim=HIDDEN, dtype_size=DTYPE_SIZE, ec_cpu_bytes=num_blocks * BLOCK_BYTES)
-
-
-def transfer_config(
-    role: ECRole, num_blocks: int, *, engine_id: str, p2p: bool = True, **extra: Any
-) -> ECTransferConfig:
-    return ECTransferConfig(
-        ec_connector="ECCPUConnector",
-        ec_role=role,
-        ec_connector_extra_config={
-            "ec_cpu_bytes": num_blocks * BLOCK_BYTES,
-            "ec_enable_nixl": p2p,
-            **extra,
-        },
-        engine_id=engine_id,
-    )
-
-
-@dataclass
-class Engine:
-    """One instance: a scheduler half, one worker half, and its region's block tags."""
-
-    name: str
-    role: ECRole
-    scheduler: ECScheduler
-    worker: ECWorker
-    region: list[str | None]
-    host: str = ""
-    port: int = 0
-    epoch: int = 0
-    alive: bool = True
-    identity: bytes = b""  # its ZMQ identity, as the producer's ROUTER sees it
-    known_agents: set[str] = field(default_factory=set)  # producer agents it loaded
-    evicted: list[EncodingEvicted] = field(default_factory=list)
-    failed: list[FailRequest] = field(default_factory=list)
-    outstanding_loads: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(order=True)
@@ -111,7 +63,7 @@ class _Event:
     run: Callable[[], None] = field(compare=False)
 
 
-class SimECPlane:
+class SimECPlane(DataPlane):
     """Seeded executor of the effects of one producer and one consumer."""
 
     def __init__(
@@ -260,9 +212,6 @@ class SimECPlane:
     def at(self, when: float, run: Callable[[], None]) -> None:
         """Run `run` when the clock reaches `when` (in order with the planes' own work)."""
         heapq.heappush(self._events, _Event(when, next(self._seq), run))
-
-    def _delay(self, bounds: tuple[float, float]) -> float:
-        return self.rng.uniform(*bounds)
 
     def in_flight(self) -> int:
         return len(self._events) + len(self._held_messages) + len(self._held_reads)
@@ -422,96 +371,6 @@ class SimECPlane:
         self._held_messages, self._held_reads = [], []
         for run in held:
             self.at(self.clock.now + self._delay(self.net_delay), run)
-
-    # -- data plane ------------------------------------------------------------------------
-
-    def _issue_read(self, engine: Engine, read: IssueRead) -> None:
-        self.reads_started += 1
-        producer = self.producer
-        faults, rng = self.faults, self.rng
-        fault = self.read_faults.pop(0) if self.read_faults else ""
-        if not fault:
-            if read.producer_agent_name not in engine.known_agents and (
-                faults.handshake_fail and rng.random() < faults.handshake_fail
-            ):
-                fault = "fail"  # loading the producer's agent metadata failed
-            elif faults.read_fail and rng.random() < faults.read_fail:
-                fault = "fail"
-            elif faults.read_stall and rng.random() < faults.read_stall:
-                fault = "slow"
-        if fault:
-            self.count(f"read_{fault}")
-        if fault == "hang":
-            return
-        engine.known_agents.add(read.producer_agent_name)
-        bounds = (25.0, 70.0) if fault == "slow" else self.read_delay
-        when = self.clock.now + self._delay(bounds)
-
-        def land() -> None:
-            if not engine.alive or engine is not self.consumer:
-                return  # the consumer died: the READ's completion has no one to tell
-            if self.partitioned and producer.alive:
-                self._held_reads.append(land)  # the DMA waits for the link
-                return
-            if fault == "fail" or not producer.alive or self.producer is not producer:
-                engine.scheduler.on_read_failed(read.mm_hash, read.transfer_id, self.clock.now)
-                return
-            self._land_read(engine, producer, read)
-
-        self.at(when, land)
-
-    def _land_read(self, consumer: Engine, producer: Engine, read: IssueRead) -> None:
-        live = consumer.scheduler.bus.get(EC_CONSUMER_READ, read.mm_hash)
-        if live is None or live.ctx.transfer_id != read.transfer_id:
-            # Nobody awaits it any more (its quarantine ended): the reader released the
-            # handle, which cancels the DMA (`ECNixlReader.poll`).
-            self.count("reads_cancelled")
-            return
-        pool = consumer.scheduler.cache.pool
-        for dst in read.dst_blocks:
-            owner = pool.owner_of(dst)
-            if owner != read.mm_hash:
-                self.violation(f"READ of {read.mm_hash} lands in block {dst} held by {owner!r}")
-                return
-        awaited = live.has("read_awaited")
-        for src, dst in zip(read.src_blocks, read.dst_blocks, strict=True):
-            tag = producer.region[src]
-            # A READ still awaited must find its source pinned; one landing in
-            # quarantine may read reused blocks: its destination is discarded.
-            if tag != read.mm_hash and awaited:
-                self.violation(f"READ of {read.mm_hash}: source block {src} holds {tag}")
-                return
-            consumer.region[dst] = tag
-        self.reads_landed += 1
-        consumer.scheduler.on_read_done(read.mm_hash, read.transfer_id, self.clock.now)
-
-    def _copy(self, engine: Engine, copy: CopyBlocks) -> None:
-        bounds = self.copy_delay
-        slow = self.faults.slow_save
-        if copy.direction == "save" and slow and self.rng.random() < slow:
-            bounds = (1.0, 6.0)
-            self.count("slow_saves")
-        when = self.clock.now + self._delay(bounds)
-        if copy.direction == "load":
-            for item in copy.items:
-                loads = engine.outstanding_loads
-                loads[item.mm_hash] = loads.get(item.mm_hash, 0) + 1
-
-        def land() -> None:
-            if not engine.alive:
-                return
-            if copy.direction == "save":
-                for item in copy.items:
-                    for block in item.blocks:
-                        engine.region[block] = item.mm_hash
-            else:
-                for item in copy.items:
-                    tags = {engine.region[b] for b in item.blocks}
-                    if tags != {item.mm_hash}:
-                        self.violation(f"{engine.name} load of {item.mm_hash} reads {tags}")
-            engine.worker.on_copy_done(copy.batch_id, self.clock.now)
-
-        self.at(when, land)
 
     # -- one engine step ---------------------------------------------------------------
 

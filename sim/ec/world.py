@@ -40,9 +40,9 @@ from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.compiled import Instance
-from kvhandoff.protocol.ec_config import DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S
 from kvhandoff.sim.ec.checks import check_evicting, check_invariants, check_read_retired
-from kvhandoff.sim.ec.ending import final_check, probe, quiesce, settle
+from kvhandoff.sim.ec.ending import final_check, probe, settle
+from kvhandoff.sim.ec.faults import maybe_fault
 from kvhandoff.sim.ec.plane import Engine, SimECPlane
 from kvhandoff.sim.ec.settings import META, ECClient, ECSimSettings, Phase
 from kvhandoff.sim.push.fabric import SimFaults
@@ -80,7 +80,7 @@ class SimulatedECWorld:
         self.outcomes: dict[str, int] = {}  # how reads ended, for coverage reports
         self.actions = 0
         self._serial = 0
-        self._filler = 0
+        self.fillers = 0
         self.next_issue_at = self.clock.now
         self.issuing = True
         self.heal_at: float | None = None
@@ -161,21 +161,6 @@ class SimulatedECWorld:
         self.plane.engine_step(producer, allocs)
         return producer.scheduler.request_finished(req, self.clock.now)
 
-    def eviction_pressure(self) -> None:
-        """A burst of unpublished encodings fills the producer's tier (FIFO evictions)."""
-        producer = self.plane.producer
-        if not producer.alive:
-            return
-        self.note("EVICTION PRESSURE")
-        allocs = []
-        for _ in range(self.rng.randint(2, 5)):
-            self._filler += 1
-            req = ECRequestInfo(f"filler-{self._filler}", (f"filler{self._filler}",))
-            allocs.append((req, f"filler{self._filler}", self.settings.max_tokens))
-        self.plane.engine_step(producer, allocs)
-        for req, _, _ in allocs:
-            producer.scheduler.request_finished(req, self.clock.now)
-
     # -- engine steps -------------------------------------------------------------------------
 
     def consumer_step(self) -> None:
@@ -196,13 +181,13 @@ class SimulatedECWorld:
                     if scheduler.has_cache_item(h):
                         allocs.append((req, h, self.settings.tokens(h)))
                 finished.append(req)
-                self._resolve(client, Phase.COMPLETED)
+                self.resolve(client, Phase.COMPLETED)
                 continue
             inst = scheduler.bus.get(EC_REQUEST, req.request_id)
             if inst is not None and inst.has("failed_cleanly"):
                 self._check_failure(req, inst)
                 scheduler.request_finished(req, now)
-                self._resolve(client, Phase.FAILED, inst.ctx.failure)
+                self.resolve(client, Phase.FAILED, inst.ctx.failure)
         self.plane.engine_step(consumer, allocs)
         for req in finished:
             scheduler.request_finished(req, self.clock.now)
@@ -218,7 +203,7 @@ class SimulatedECWorld:
             or (c.phase is _WAITING and c.consumer_epoch == epoch)
         ]
 
-    def _resolve(self, client: ECClient, phase: Phase, reason: str = "") -> None:
+    def resolve(self, client: ECClient, phase: Phase, reason: str = "") -> None:
         client.phase = phase
         client.reason = reason
         self.note(f"{client.client_id} {phase}{': ' + reason if reason else ''}")
@@ -231,75 +216,6 @@ class SimulatedECWorld:
     def producer_step(self) -> None:
         self.plane.engine_step(self.plane.producer, [])
 
-    def abort_one(self) -> None:
-        waiting = [c for c in self.waiting() if c.phase is Phase.WAITING and not c.probe]
-        consumer = self.plane.consumer
-        if not waiting or not consumer.alive:
-            return
-        client = self.rng.choice(waiting)
-        assert client.request is not None
-        consumer.scheduler.request_finished(client.request, self.clock.now)
-        self._resolve(client, Phase.ABORTED, "client went away")
-
-    # -- faults -------------------------------------------------------------------------------
-
-    def crash(self, which: str, downtime: float) -> None:
-        plane = self.plane
-        engine = plane.producer if which == "producer" else plane.consumer
-        if not engine.alive:
-            return
-        self.note(f"CRASH {which}")
-        plane.crash(which)
-        self.restart_at[which] = self.clock.now + downtime
-        if which == "consumer":
-            for client in self.clients.values():
-                if client.phase is Phase.WAITING and client.consumer_epoch == engine.epoch:
-                    self._resolve(client, Phase.LOST, "consumer crashed")
-        # The survivor's ZMQ heartbeat notices within its timeout.
-        detect = self.rng.uniform(0.5, DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S)
-        self.plane.at(self.clock.now + detect, lambda: self._lost_peer(which, engine))
-
-    def _lost_peer(self, which: str, dead: Engine) -> None:
-        plane, now = self.plane, self.clock.now
-        if which == "producer":
-            consumer = plane.consumer
-            if consumer.alive:
-                consumer.scheduler.on_peer_disconnected(dead.host, dead.port, now)
-        else:
-            producer = plane.producer
-            if producer.alive:
-                producer.scheduler.on_consumer_disconnected(dead.identity, now)
-
-    def restart(self, which: str) -> None:
-        self.note(f"RESTART {which}")
-        self.restart_at.pop(which, None)
-        self.plane.restart(which)
-
-    def partition(self, duration: float) -> None:
-        self.note("PARTITION")
-        self.plane.partition()
-        heal_at = self.heal_at = self.clock.now + duration
-
-        def heartbeat_lost() -> None:  # unless healed first (or a later partition's)
-            if self.plane.partitioned and self.heal_at == heal_at:
-                self.note("PARTITION costs the heartbeat: disconnect")
-                self.plane.disconnect()
-
-        self.plane.at(self.clock.now + DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S, heartbeat_lost)
-
-    def heal(self) -> None:
-        self.note("HEAL")
-        self.heal_at = None
-        self.plane.heal()
-
-    def clock_jump(self, seconds: float) -> None:
-        """The engines stall (no step, no arrival) while the clock leaps; the planes and
-        the machines' timers keep their own time meanwhile, in order: a DMA lands when it
-        lands, whatever the processes are doing (a raw jump would replay it late, against
-        memory the timers had already moved on)."""
-        self.note(f"CLOCK JUMP {seconds:.1f}")
-        self.plane.run_until(self.clock.now + seconds)
-
     # -- the seeded scheduler -----------------------------------------------------------------
 
     def run(self) -> SimRunResult:
@@ -309,11 +225,11 @@ class SimulatedECWorld:
             self.random_action()
             self.check_invariants()
         if self.violations:  # stop at the first broken rule: its log stays short
-            return self.final_check(settled=False)
-        self.settle()
-        self.probe()
-        self.settle()
-        return self.final_check()
+            return final_check(self, settled=False)
+        settle(self)
+        probe(self)
+        settle(self)
+        return final_check(self)
 
     def _all_resolved(self) -> bool:
         return all(c.resolved for c in self.clients.values())
@@ -321,7 +237,7 @@ class SimulatedECWorld:
     def random_action(self) -> None:
         self.actions += 1
         rng = self.rng
-        if self._maybe_fault(rng, self.faults):
+        if maybe_fault(self, rng, self.faults):
             return
         choices: list[tuple[float, Callable[[], None]]] = []
         now = self.clock.now
@@ -344,32 +260,6 @@ class SimulatedECWorld:
                 action()
                 return
         choices[-1][1]()
-
-    def _maybe_fault(self, rng: random.Random, faults: SimFaults) -> bool:
-        now = self.clock.now
-        for which, when in sorted(self.restart_at.items()):
-            if now >= when:
-                self.restart(which)
-                return True
-        if self.heal_at is not None and now >= self.heal_at:
-            self.heal()
-            return True
-        if faults.crash and rng.random() < faults.crash * 2:
-            self.crash(rng.choice(("producer", "consumer")), rng.uniform(0.5, 20.0))
-            return True
-        if faults.partition and self.heal_at is None and rng.random() < faults.partition * 2:
-            self.partition(rng.uniform(0.5, 30.0))
-            return True
-        if faults.clock_jump and rng.random() < faults.clock_jump:
-            self.clock_jump(rng.uniform(1.0, 45.0))
-            return True
-        if faults.eviction_pressure and rng.random() < faults.eviction_pressure:
-            self.eviction_pressure()
-            return True
-        if faults.abort and rng.random() < faults.abort:
-            self.abort_one()
-            return True
-        return False
 
     def _arrive(self) -> None:
         self.issue()
@@ -396,18 +286,6 @@ class SimulatedECWorld:
 
     def check_invariants(self) -> None:
         check_invariants(self)
-
-    def quiesce(self) -> None:
-        quiesce(self)
-
-    def settle(self) -> None:
-        settle(self)
-
-    def probe(self) -> None:
-        probe(self)
-
-    def final_check(self, *, settled: bool = True) -> SimRunResult:
-        return final_check(self, settled=settled)
 
     def terms_of(self, violations: list[str]) -> set[str]:
         """The client ids and mm_hashes the first violations name (for an event log)."""

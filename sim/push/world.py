@@ -21,95 +21,35 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.runtime.clock import VirtualClock
-from kvhandoff.protocol.blocks import expand_to_physical
-from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.handshake import compatibility_hash
-from kvhandoff.protocol.notifs import decode_completion_notif
-from kvhandoff.protocol.push_config import PushConfig
-from kvhandoff.protocol.push_wire import PUSH_REG_PREFIX, decode_push_reg
+from kvhandoff.sim.push.checks import RunChecks
 from kvhandoff.sim.push.engine import Arrival, SimEngine
-from kvhandoff.sim.push.fabric import SimFaults, SimNetwork, SimTransfer
+from kvhandoff.sim.push.fabric import SimFaults, SimNetwork
 from kvhandoff.sim.push.ledger import SimLedger
-from kvhandoff.sim.push.memory import physical_ids
-
-MEMBERS = ("layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v")
-
-SIM_PUSH_CONFIG = PushConfig(
-    kv_lease_duration=30.0,
-    kv_lease_extension=20.0,
-    heartbeat_interval=5.0,
-    push_registration_timeout=60.0,
-    handshake_timeout=10.0,
-    push_write_timeout=30.0,
-    nixl_backend="SIM",
+from kvhandoff.sim.push.settings import (
+    MEMBERS,
+    SIM_PUSH_CONFIG,
+    SimRunResult,
+    SimSettings,
+    Variant,
 )
 
-Variant = Callable[[SimEngine], None]
+__all__ = [
+    "MEMBERS",
+    "SIM_PUSH_CONFIG",
+    "SimRunResult",
+    "SimSettings",
+    "SimulatedPushWorld",
+    "Variant",
+]
 
 
-@dataclass(frozen=True, slots=True)
-class SimSettings:
-    """The shape of a simulated run; the push timeouts are the real machines' config."""
+class SimulatedPushWorld(RunChecks):
+    """P and D over one fabric and one clock; the checks come from `RunChecks`."""
 
-    requests: int = 16
-    max_blocks: int = 6
-    block_len: int = 16
-    ratio: int = 2  # physical blocks per logical block, on both sides (R-P06)
-    capacity: int = 192  # logical blocks per engine
-    push: PushConfig = SIM_PUSH_CONFIG
-    idle_timeout_s: float = 1.0  # the writer thread's wait when nothing wakes it
-    leg_spread_s: float = 0.05  # how far apart the proxy's two legs may arrive
-    mean_interarrival_s: float = 0.25  # client requests arrive as a Poisson process
-    max_actions: int = 60_000
-    probes: int = 3
-
-    @property
-    def quarantine_s(self) -> float:
-        """How long D keeps blocks of a failed receive out of reuse: P's longest WRITE
-        window after D gave up (lease, handshake, write timeout) and some."""
-        p = self.push
-        return max(p.kv_lease_duration, p.kv_lease_extension) + (
-            p.handshake_timeout + p.push_write_timeout + 5.0
-        )
-
-    @property
-    def settle_span_s(self) -> float:
-        p = self.push
-        return (
-            p.registration_timeout
-            + max(p.kv_lease_duration, p.kv_lease_extension)
-            + p.handshake_timeout
-            + p.push_write_timeout
-            + self.quarantine_s
-            + 100.0
-        )
-
-
-@dataclass(slots=True)
-class SimRunResult:
-    seed: int
-    requests: int
-    completed: int
-    failed_cleanly: int
-    leaked: int
-    hung: int
-    violations: list[str]
-    actions: int
-    sim_seconds: float
-    leftovers: dict[str, dict[str, int]] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not (self.leaked or self.hung or self.violations)
-
-
-class SimulatedPushWorld:
     def __init__(
         self,
         seed: int,
@@ -415,126 +355,3 @@ class SimulatedPushWorld:
             self.ledger.violation(
                 f"no recovery: probe {last} ended P={record.p} D={record.d} with every fault off"
             )
-
-    def final_check(self) -> SimRunResult:
-        ledger = self.ledger
-        leftovers: dict[str, dict[str, int]] = {e.role: e.leftovers() for e in self.engines}
-        in_flight = len(self.network.in_flight)
-        if in_flight:
-            leftovers.setdefault("network", {})["in_flight"] = in_flight
-        leaked = hung = completed = failed = requests = 0
-        for role, tables in leftovers.items():
-            for name, size in tables.items():
-                if name in ("live_d_registrations", "live_p_leases", "engine_requests"):
-                    hung += size
-                else:
-                    leaked += size
-                ledger.violation(f"{role} {name} holds {size} entries after all deadlines")
-        for record in ledger.clients.values():
-            if not record.probe:
-                requests += 1
-            lease_gone = record.p_id is not None and not self.prefill.side.bus.get(
-                P_LEASE, record.p_id
-            )
-            if record.p == "leased" and lease_gone:
-                leaked += 1
-                ledger.violation(f"P lease {record.p_id!r} ended but was never freed")
-            if not record.resolved:
-                hung += 1
-                ledger.violation(f"{record.client_id} unresolved: P={record.p} D={record.d}")
-            elif not record.probe:
-                if record.completed:
-                    completed += 1
-                else:
-                    failed += 1
-        counters = dict(self.network.counters)
-        for engine in self.engines:
-            counters[f"{engine.role}.rejected_notifs"] = (
-                engine.side.writer.rejected_notifs + engine.side.worker.rejected_notifs
-            )
-        counters["late_writes"] = ledger.late_writes
-        return SimRunResult(
-            seed=self.seed,
-            requests=requests,
-            completed=completed,
-            failed_cleanly=failed,
-            leaked=leaked,
-            hung=hung,
-            violations=list(ledger.violations),
-            actions=self.actions,
-            sim_seconds=self.clock.now - 1000.0,
-            leftovers=leftovers,
-            counters=counters,
-        )
-
-    # -- what the fabric tells us (SimObserver) ------------------------------------------------
-
-    def notif_sent(self, src_engine: str, dst_engine: str, message: bytes) -> None:
-        if src_engine == self.decode.engine_id and message.startswith(PUSH_REG_PREFIX):
-            reg = decode_push_reg(message)
-            self.ledger.reg_sent(reg.request_id, reg.block_ids)
-
-    def write_posted(self, transfer: SimTransfer) -> None:
-        """A WRITE needs both a live lease on the blocks and D's registration of its target."""
-        ledger = self.ledger
-        prefill, decode = self.prefill, self.decode
-        if transfer.src_engine != prefill.engine_id or transfer.dst_engine != decode.engine_id:
-            ledger.violation(f"WRITE from {transfer.src_engine} to {transfer.dst_engine}")
-            return
-        try:
-            d_id = decode_completion_notif(transfer.notif).request_id
-        except KvHandoffError as exc:
-            ledger.violation(f"WRITE with a bad completion notif: {exc}")
-            return
-        ratio = self.settings.ratio
-        owners = {prefill.pool.owner.get(b // ratio) for b in transfer.local_ids}
-        p_id = next(iter(owners)) if len(owners) == 1 else None
-        held = prefill.requests.get(p_id) if p_id is not None else None
-        if p_id is None or held is None:
-            ledger.violation(f"WRITE for {d_id!r} from P blocks no single request holds")
-            return
-        if prefill.side.bus.get(P_LEASE, p_id) is None:
-            ledger.violation(f"WRITE for {p_id!r} after its lease ended")
-        if tuple(physical_ids(prefill.transport, held.blocks)) != transfer.local_ids:
-            ledger.violation(f"WRITE for {p_id!r} reads blocks other than its lease's")
-        record = ledger.of(d_id)
-        if record is None or record.d_id != d_id or record.p_id != p_id:
-            ledger.violation(f"WRITE pairs P {p_id!r} with D {d_id!r}: not one client request")
-            return
-        if record.reg_sent_blocks is None:
-            ledger.violation(f"WRITE for {d_id!r} before D sent its registration")
-            return
-        wanted = tuple(expand_to_physical(record.reg_sent_blocks, ratio))
-        if wanted != transfer.remote_ids:
-            ledger.violation(
-                f"WRITE for {d_id!r} targets {transfer.remote_ids}, D registered {wanted}"
-            )
-
-    def write_landed(self, transfer: SimTransfer) -> None:
-        """The bytes land: P still holds the source, D still holds the target for it."""
-        ledger = self.ledger
-        ratio = self.settings.ratio
-        try:
-            d_id = decode_completion_notif(transfer.notif).request_id
-        except KvHandoffError:
-            return  # already reported when posted
-        record = ledger.of(d_id)
-        p_id = record.p_id if record is not None else None
-        for block in transfer.local_ids:
-            if self.prefill.pool.owner.get(block // ratio) != p_id:
-                ledger.violation(f"WRITE for {d_id!r} read P block {block} after it was freed")
-                break
-        late = False
-        for block in transfer.remote_ids:
-            holder = self.decode.pool.held_by(block // ratio)
-            if holder == d_id and self.decode.pool.owner.get(block // ratio) == d_id:
-                continue
-            if holder is None or holder == d_id:
-                late = True  # D gave up on it; the block is quarantined or free: no harm
-                continue
-            ledger.violation(
-                f"WRITE for {d_id!r} landed in D block {block}, which D holds for {holder!r}"
-            )
-            break
-        if late:
-            ledger.late_writes += 1
