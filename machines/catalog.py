@@ -6,6 +6,8 @@ make sure no declared machine goes untested.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
 from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
@@ -19,11 +21,11 @@ from kvhandoff.machines.push.handshake import HANDSHAKE
 from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.runtime.declaration import Declaration
 
-PUSH_DECLARATIONS: tuple[Declaration, ...] = (D_REGISTRATION, P_LEASE, HANDSHAKE)
+PUSH_DECLARATIONS: tuple[Declaration[Any], ...] = (D_REGISTRATION, P_LEASE, HANDSHAKE)
 
-PULL_DECLARATIONS: tuple[Declaration, ...] = (D_READ, PULL_P_LEASE)
+PULL_DECLARATIONS: tuple[Declaration[Any], ...] = (D_READ, PULL_P_LEASE)
 
-EC_DECLARATIONS: tuple[Declaration, ...] = (
+EC_DECLARATIONS: tuple[Declaration[Any], ...] = (
     EC_CACHE_ENTRY,
     EC_COPY_BATCH,
     EC_CONSUMER_READ,
@@ -32,4 +34,4 @@ EC_DECLARATIONS: tuple[Declaration, ...] = (
     EC_WORKER_REGION,
 )
 
-DECLARATIONS: tuple[Declaration, ...] = PUSH_DECLARATIONS + PULL_DECLARATIONS + EC_DECLARATIONS
+DECLARATIONS: tuple[Declaration[Any], ...] = PUSH_DECLARATIONS + PULL_DECLARATIONS + EC_DECLARATIONS

@@ -6,6 +6,7 @@ Real sockets on loopback; every wait is bounded polling against a deadline.
 from __future__ import annotations
 
 import importlib.util
+import random
 import signal
 import socket
 import time
@@ -157,7 +158,26 @@ def test_R_P15_provider_failure_does_not_stop_server() -> None:
         assert srv.requests_dropped == 1
 
 
-def test_R_P15_close_is_deterministic_and_frees_the_port(server: SideChannelServer) -> None:
+def _unassigned_ports() -> list[int]:
+    """Ports below the kernel's ephemeral range, from a random start: no other process's
+    bind to port 0 (tests run beside other work) can take one between a close and a
+    rebind here."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    ports = list(range(10_000, low))
+    start = random.Random().randrange(len(ports))
+    return ports[start:] + ports[:start]
+
+
+def test_R_P15_close_is_deterministic_and_frees_the_port() -> None:
+    server = None
+    for candidate in _unassigned_ports():
+        try:
+            server = SideChannelServer("127.0.0.1", candidate, lambda: b"META")
+        except zmq.ZMQError:
+            continue  # in use by someone else: try the next
+        break
+    assert server is not None, "no free port below the ephemeral range"
     port = server.port
     server.close()
     assert not server.running  # joined, not merely signalled

@@ -86,8 +86,7 @@ class EmbeddingCache:
         already has an entry.
         """
         bus = self.bus
-        if now > bus.now:  # what is due first (a quarantine that ended frees its blocks)
-            bus.fire_due(now)
+        bus.advance(now)  # what is due first (a quarantine that ended frees its blocks)
         if bus.get(EC_CACHE_ENTRY, mm_hash) is not None:
             return None
         if num_blocks > self.pool.free_count + self.order.evictable_weight:

@@ -51,13 +51,6 @@ from kvhandoff.protocol.errors import RemoteProtocolError
 __all__ = ["P2PConsumer", "P2PProducer"]
 
 
-def _give_time(bus: EventBus, now: float) -> None:
-    """Fire what is due at `now` before looking at a machine (a message that waited meets
-    the state its deadlines decided); nothing to do when the bus already has that time."""
-    if now > bus.now:
-        bus.fire_due(now)
-
-
 FallbackHook = Callable[[str, str], None]
 """`on_fallback(mm_hash, reason)`: requests waiting for `mm_hash` encode it locally."""
 RetiredHook = Callable[[str, bool], None]
@@ -152,7 +145,7 @@ class P2PConsumer:
         except RemoteProtocolError:
             self.remote_errors += 1
             raise
-        _give_time(self.bus, now)
+        self.bus.advance(now)
         inst = self.read(ack.mm_hash)
         if inst is None:
             raise self._reject(f"XferAck for {ack.mm_hash!r}, which no read awaits", peer)
@@ -173,7 +166,7 @@ class P2PConsumer:
 
     def _awaited(self, mm_hash: str, transfer_id: str, now: float) -> bool:
         """Whether a READ of `transfer_id` may still complete for `mm_hash` at `now`."""
-        _give_time(self.bus, now)
+        self.bus.advance(now)
         inst = self.read(mm_hash)
         if inst is None or inst.ctx.transfer_id != transfer_id or not inst.has("read_posted"):
             self.late_completions += 1
@@ -193,7 +186,7 @@ class P2PConsumer:
     def on_peer_disconnected(self, peer_host: str, peer_port: int, now: float) -> None:
         """The DEALER of producer `peer_host:peer_port` lost its peer."""
         bus = self.bus
-        _give_time(bus, now)
+        bus.advance(now)
         for inst in bus.instances(EC_CONSUMER_READ):
             ctx = inst.ctx
             live = bus.get(EC_CONSUMER_READ, inst.key) is inst  # not ended by an earlier one
@@ -241,7 +234,7 @@ class P2PProducer:
         except RemoteProtocolError:
             self.remote_errors += 1
             raise
-        _give_time(self.bus, now)
+        self.bus.advance(now)
         if isinstance(msg, ec_wire.XferReq):
             self._on_request(peer, msg, shown, now)
         else:
@@ -292,7 +285,7 @@ class P2PProducer:
     def on_peer_disconnected(self, peer: bytes | str, now: float) -> None:
         """A consumer went away; its grants keep their pins until the lease ends."""
         bus = self.bus
-        _give_time(bus, now)
+        bus.advance(now)
         for inst in bus.instances(EC_PRODUCER_GRANT):
             if inst.ctx.peer == peer and bus.get(EC_PRODUCER_GRANT, inst.key) is inst:
                 bus.dispatch(EC_PRODUCER_GRANT, inst.key, PeerDisconnected(), now)

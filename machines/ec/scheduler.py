@@ -134,11 +134,6 @@ class ECScheduler:
                 config={"pin_lease_s": config["pin_lease_s"]},
             )
 
-    def _at(self, now: float) -> None:
-        """Give the bus the time before looking at the machines (due timeouts fire)."""
-        if now > self.bus.now:
-            self.bus.fire_due(now)
-
     # -- facts -----------------------------------------------------------------------------
 
     @property
@@ -178,7 +173,7 @@ class ECScheduler:
     def ensure_cache_available(self, request: ECRequest, now: float) -> bool:
         """May `request` be scheduled now? False defers it (a read is in flight) or means
         it failed (then it is in `take_failed_requests()`, B-05)."""
-        self._at(now)
+        self.bus.advance(now)
         if not self.config.is_consumer:
             return True
         inst = self._request(request, now)
@@ -261,7 +256,7 @@ class ECScheduler:
         rows): load it from the tier (consumer) or plan its save (producer)."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise LocalProtocolError(f"num_tokens must be a positive int, got {num_tokens!r}")
-        self._at(now)
+        self.bus.advance(now)
         cache = self.cache
         if self.has_cache_item(mm_hash):
             rid = request.request_id
@@ -283,7 +278,7 @@ class ECScheduler:
 
     def build_connector_meta(self, now: float) -> ECConnectorMeta:
         """Once per step: fire timeouts, re-ask deferred reads, hand over loads and saves."""
-        self._at(now)
+        self.bus.advance(now)
         if self.consumer is not None:
             self.consumer.step(now)
         meta = ECConnectorMeta(tuple(self._loads), tuple(self._saves))
@@ -325,7 +320,7 @@ class ECScheduler:
         """Release the request; on a P2P producer return its `ec_transfer_params`: per
         `mm_hash`, metadata and address of a resident encoding, or empty metadata and no
         address when it cannot be served (R-E06)."""
-        self._at(now)
+        self.bus.advance(now)
         rid = request.request_id
         if self.bus.get(EC_REQUEST, rid) is not None:
             self.bus.dispatch(EC_REQUEST, rid, Finished(), now)

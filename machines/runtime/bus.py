@@ -132,7 +132,7 @@ class EventBus:
 
     def create(self, kind: Declaration[C], ctx: C, now: float) -> Instance[C]:
         """A new instance of `kind` for `ctx` (keyed by `ctx.key`) in its initial state."""
-        self._advance(now)
+        self.advance(now)
         machine = self.machine(kind)
         key: Hashable = ctx.key  # type: ignore[attr-defined]  # checked by the declaration
         index = machine.index
@@ -200,7 +200,7 @@ class EventBus:
     def dispatch(self, kind: Declaration[Any], key: Hashable, event: Event, now: float) -> None:
         """Deliver `event` to (kind, key) at `now`: due timeouts first, then the event."""
         if now > self._now:
-            self._advance(now)
+            self.advance(now)
         try:
             inst = self._index[kind][key]
         except KeyError:
@@ -232,9 +232,12 @@ class EventBus:
             if len(queue) > self._compact_at:
                 self._compact()
 
-    def _advance(self, now: float) -> None:
-        """Move the bus's time to `now`, delivering what falls due first. A call nested in
-        a delivery keeps the step's time: its timeouts wait for the next top-level call."""
+    def advance(self, now: float) -> None:
+        """Move the bus's time to `now`, delivering every timeout due by then first (what
+        `dispatch` and `create` do before they apply anything). Call it before querying
+        tags at a new time, so the answer is what an event at `now` would meet. A call
+        nested in a delivery keeps the step's time: its timeouts wait for the next
+        top-level call."""
         if now > self._now and not self._delivering:
             if now >= self._next_due:
                 self.fire_due(now)

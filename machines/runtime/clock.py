@@ -11,7 +11,8 @@ from typing import Protocol
 
 class Clock(Protocol):
     """Seconds as a float, never going backwards (the bus keeps its timers in
-    per-duration queues that rely on it): `time.monotonic`, or a `VirtualClock`."""
+    per-duration queues that rely on it): the system's monotonic clock, or a
+    `VirtualClock`."""
 
     def __call__(self) -> float: ...
 

@@ -283,10 +283,8 @@ def _payload_strategies(
     decl: Declaration[Any], given: Payloads | None
 ) -> dict[type[Event], st.SearchStrategy[Event]]:
     """A strategy per event class of `decl`: the given one, else built from its fields."""
-    out: dict[type[Event], st.SearchStrategy[Event]] = {}
-    for cls in decl.events:
-        out[cls] = (given or {}).get(cls) or st.builds(cls)
-    return out
+    given = given or {}
+    return {cls: given[cls] if cls in given else st.builds(cls) for cls in decl.events}
 
 
 def _trigger(cls: type[Event]) -> str:
