@@ -131,7 +131,7 @@ class PushWriterSide:
             writer.on_notif(peer, message, now)
             handled += 1
         writer.expire_pending(now)
-        self.writer_bus.fire_due(now)
+        self.writer_bus.advance(now)  # the handshake timeouts due by now
         for effect in writer.take_effects():
             self._execute_writer_effect(effect, now)
         return handled

@@ -58,8 +58,6 @@ from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.protocol.legs import PullSource
 
-KIND = "pull.d_read"
-
 
 @dataclass(slots=True)
 class DReadCtx:
@@ -107,7 +105,7 @@ def give_up(ctx: DReadCtx, event: WatchdogExpired | Abort) -> list[Effect]:
 
 
 D_READ: Declaration[DReadCtx] = Declaration(
-    name=KIND,
+    name="pull.d_read",
     description=__doc__ or "",
     states=[
         {"name": "waiting", "timeout": WATCHDOG, "tags": ("drainable", "abortable")},

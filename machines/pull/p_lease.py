@@ -27,8 +27,6 @@ from kvhandoff.machines.push.events import (
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 
-KIND = "pull.p_lease"
-
 
 @dataclass(slots=True)
 class PullLeaseCtx:
@@ -57,7 +55,7 @@ def reap(ctx: PullLeaseCtx, event: LeaseExpired) -> list[Effect]:
 
 
 PULL_P_LEASE: Declaration[PullLeaseCtx] = Declaration(
-    name=KIND,
+    name="pull.p_lease",
     description=__doc__ or "",
     states=[
         {"name": "finished", "timeout": LEASE, "tags": ("heartbeat_extends",)},

@@ -55,8 +55,6 @@ from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.protocol.push_wire import PushRegistration
 
-KIND = "push.d_registration"
-
 
 @dataclass(slots=True)
 class DRegistrationCtx:
@@ -116,7 +114,7 @@ def drop_aborted(ctx: DRegistrationCtx, event: Abort) -> list[Effect]:
 _IN_FLIGHT = ["queued", "awaiting_handshake", "sent"]
 
 D_REGISTRATION: Declaration[DRegistrationCtx] = Declaration(
-    name=KIND,
+    name="push.d_registration",
     description=__doc__ or "",
     states=[
         {

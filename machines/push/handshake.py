@@ -37,8 +37,6 @@ from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.machines.runtime.events import Event
 
-KIND = "push.handshake"
-
 DeferredOp = ReplayRegistration | ReplayPush | ReplayRead
 
 
@@ -121,7 +119,7 @@ def forget_agent(ctx: HandshakeCtx, event: PeerLost) -> list[Effect]:
 
 
 HANDSHAKE: Declaration[HandshakeCtx] = Declaration(
-    name=KIND,
+    name="push.handshake",
     description=__doc__ or "",
     states=[
         "idle",

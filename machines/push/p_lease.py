@@ -59,8 +59,6 @@ from kvhandoff.machines.push.events import (
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 
-KIND = "push.p_lease"
-
 
 @dataclass(slots=True)
 class PLeaseCtx:
@@ -120,7 +118,7 @@ _LEASED = ["finished", "staged", "matched", "awaiting_handshake"]
 _GIVEN_UP = ["handshake_failed", "write_failed"]
 
 P_LEASE: Declaration[PLeaseCtx] = Declaration(
-    name=KIND,
+    name="push.p_lease",
     description=__doc__ or "",
     states=[
         {"name": "finished", "timeout": LEASE, "tags": ("drainable", "heartbeat_extends")},

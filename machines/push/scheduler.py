@@ -56,6 +56,9 @@ KINDS: dict[Mode, tuple[DKind, PKind]] = {
 }
 """(D lifecycle, P lifecycle) per transfer mode."""
 
+MAIN_THREAD_KINDS: tuple[Declaration[Any], ...] = (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE)
+"""Every lifecycle on a side's main-thread bus (`register_push_machines`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class LocalEngine:
@@ -181,7 +184,7 @@ class PushScheduler:
         # the writer's reports are taken: a lease whose WRITE the writer just posted must
         # see the post before its expiry, or its blocks are freed under the DMA.
         if self.role == "decode":
-            self.bus.fire_due(now)
+            self.bus.advance(now)
         meta = PushConnectorMeta()
         for request_id in self._push_pending_registrations:
             if self.mode == "pull":
@@ -214,7 +217,7 @@ class PushScheduler:
     def abort(self, request_id: str, now: float) -> None:
         """D: the engine's request-level abort path ends a registration or read that has
         not been reported yet (a reported receive reaches the engine as usual)."""
-        self.bus.fire_due(now)
+        self.bus.advance(now)
         if self.bus.has_tag(self.d_kind, request_id, "abortable"):
             self.bus.dispatch(self.d_kind, request_id, Abort(), now)
 

@@ -121,7 +121,7 @@ class PushWorker:
     def start_load_kv(self, meta: PushConnectorMeta, now: float) -> None:
         """Hand this step's registrations / finished blocks to the writer (R-P02, R-P03)."""
         bus = self.bus
-        bus.fire_due(now)  # a request that ended since the meta was built is not handed over
+        bus.advance(now)  # a request that ended since the meta was built is not handed over
         for request_id in meta.push_registrations:
             if bus.get(D_REGISTRATION, request_id) is not None:
                 bus.dispatch(D_REGISTRATION, request_id, Enqueued(), now)
@@ -139,7 +139,7 @@ class PushWorker:
         """Take the writer's items, reap leases, poll transfers; always wakes the writer."""
         self.take_writer_items(writer_items, now)
         bus = self.bus
-        bus.fire_due(now)
+        bus.advance(now)
         kind = self.polled_kind
         for inst in bus.tagged(kind, "pollable"):
             bus.dispatch(kind, inst.key, Poll(), now)
@@ -160,7 +160,7 @@ class PushWorker:
                 notifs.append(item)
         if not notifs:
             return
-        self.bus.fire_due(now)
+        self.bus.advance(now)
         for notif in notifs:
             try:
                 self._on_notif(notif, now)

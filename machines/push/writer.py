@@ -183,11 +183,7 @@ class PushWriter:
             else:
                 self._effects.append(ForwardToMain(notif, peer))
         except RemoteProtocolError as exc:
-            self.reject(peer, exc, now)
-
-    def reject(self, peer: str, exc: RemoteProtocolError, now: float) -> None:
-        """Count a bad input from `peer`; log it, rate-limited per peer."""
-        self.rejections.reject(peer, exc, now)
+            self.rejections.reject(peer, exc, now)  # counted, logged rate-limited per peer
 
     def is_connected(self, engine_id: str) -> bool:
         return self.bus.has_tag(HANDSHAKE, engine_id, "peer_ready")

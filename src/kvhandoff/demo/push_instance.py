@@ -17,7 +17,13 @@ from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
 from kvhandoff.demo.kv_memory import KVMemory, KVShape
-from kvhandoff.machines.push.scheduler import LocalEngine, Mode, PushConnectorOutput, Role
+from kvhandoff.machines.push.scheduler import (
+    MAIN_THREAD_KINDS,
+    LocalEngine,
+    Mode,
+    PushConnectorOutput,
+    Role,
+)
 from kvhandoff.protocol.handshake import compatibility_hash
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -73,8 +79,7 @@ class LivePushInstance:
 
     def live_lifecycles(self) -> int:
         """Lifecycles still live on the main-thread bus (zero once everything resolved)."""
-        bus = self.side.bus
-        return sum(len(bus.machine_named(name).index) for name in bus.kinds())
+        return sum(self.side.bus.live(kind) for kind in MAIN_THREAD_KINDS)
 
     def counters(self) -> dict[str, Any]:
         return {
