@@ -77,7 +77,11 @@ class SideChannelServer:
         if payload_provider is None:
             raise ValueError("SideChannelServer needs a payload_provider")
         self._provider = payload_provider
-        self._ctx = context if context is not None else zmq.Context.instance()
+        # ZMQ closes sockets on its I/O thread, after `close` returns: only terminating the
+        # context waits for the listening socket to be gone. A server that owns its context
+        # therefore frees its port by the time `close` returns.
+        self._owns_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
         self._poll_ms = poll_ms
         self.requests_served = 0
         self.requests_dropped = 0
@@ -91,6 +95,8 @@ class SideChannelServer:
             router.bind(tcp_endpoint(host, port))
         except zmq.ZMQError:
             router.close(linger=0)
+            if self._owns_ctx:
+                self._ctx.term()
             raise
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.host = host
@@ -173,6 +179,8 @@ class SideChannelServer:
                 self._stopper.send(_STOP, zmq.NOBLOCK)
             self._thread.join()
             self._stopper.close(linger=0)
+            if self._owns_ctx:
+                self._ctx.term()  # returns once every socket, the listener too, is closed
 
     @property
     def running(self) -> bool:

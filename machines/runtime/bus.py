@@ -21,11 +21,8 @@ live instance, raise `RemoteProtocolError` and change nothing; local misuse rais
 `LocalProtocolError`. Code outside the machines asks declared state tags (`has_tag`,
 `tagged`), never state names.
 
-Timers live in one FIFO per timeout duration: `now` never goes backwards, so deadlines
-armed with one duration are already in order, arming is an append (no heap), and firing
-merges the heads of the few queues. Cancelled entries (those their instance no longer
-holds) are dropped lazily; the queues are compacted when they could hold more dead
-entries than live ones.
+Timers live in one FIFO per timeout duration (`timers.py`): arming is an append, and
+`fire_due` merges the heads of the few queues in deadline order.
 
 The bus is single-threaded: one thread owns it; other threads hand work over through
 the inboxes of the adapters.
@@ -41,11 +38,12 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Node, Route, TimerEntry
+from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Node, Route
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Emit, ExtendDeadline, Metric
 from kvhandoff.machines.runtime.events import Event
 from kvhandoff.machines.runtime.recording import TransitionRecorder
+from kvhandoff.machines.runtime.timers import TimerQueues
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger("kvhandoff.bus")
@@ -55,8 +53,6 @@ E = TypeVar("E", bound=Effect)
 EffectHandler = Callable[[Any, Any], None]
 """`handler(instance or None, effect)`: None when an API call, not an instance, emitted it."""
 ErrorHook = Callable[[Instance[Any], Event, BaseException], None]
-
-_MIN_COMPACT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,22 +67,18 @@ class KindCounters:
     live: int
 
 
-class EventBus:
+class EventBus(TimerQueues):
     """Instances of declared machines, their timers, and the execution of their effects."""
 
     def __init__(self) -> None:
         self.outbox: list[tuple[Instance[Any] | None, Effect]] = []
         self.metrics: dict[str, float] = {}
         self.on_error: ErrorHook = _log_error
-        self._now = -math.inf
-        self._next_due = math.inf  # never later than the earliest live deadline
-        self._delivering = False
+        super().__init__()
         self._machines: dict[Declaration[Any], CompiledMachine[Any]] = {}
         self._by_name: dict[str, CompiledMachine[Any]] = {}
         self._index: dict[Declaration[Any], dict[Hashable, Instance[Any]]] = {}  # hot path
-        self._timer_queues: dict[float, deque[TimerEntry]] = {}  # by duration, in order
         self._serials = itertools.count()
-        self._compact_at = _MIN_COMPACT
         self._recorder: TransitionRecorder | None = None
         self._retire_hooks: list[Callable[[Instance[Any]], None]] = []
         self._handlers: dict[type, EffectHandler] = {
@@ -408,57 +400,9 @@ class EventBus:
     def _metric(self, inst: Instance[Any] | None, effect: Metric) -> None:
         self.metrics[effect.name] = self.metrics.get(effect.name, 0.0) + effect.value
 
-    # -- timers --------------------------------------------------------------------------
-
-    def _timer_queue(self, seconds: float) -> deque[TimerEntry]:
-        queue = self._timer_queues.get(seconds)
-        if queue is None:
-            queue = self._timer_queues[seconds] = deque()
-        return queue
-
-    def _arm(self, inst: Instance[Any], seconds: float) -> None:
-        queue = self._timer_queue(seconds)
-        deadline = self._now + seconds
-        inst.timer = entry = (deadline, inst)
-        queue.append(entry)
-        if deadline < self._next_due:
-            self._next_due = deadline
-        if len(queue) > self._compact_at:
-            self._compact()
-
-    def _cancel(self, inst: Instance[Any], timer: TimerEntry) -> None:
-        inst.timer = None
-
-    def _compact(self) -> None:
-        """Drop cancelled entries once they could outnumber the live ones (in place: the
-        nodes hold their queues)."""
-        longest = 0
-        for queue in self._timer_queues.values():
-            live = [entry for entry in queue if entry[1].timer is entry]
-            queue.clear()
-            queue.extend(live)
-            longest = max(longest, len(live))
-        self._compact_at = max(_MIN_COMPACT, 2 * longest)
-
-    def _earliest(self) -> deque[TimerEntry] | None:
-        """The queue whose head is the earliest live deadline (dead heads dropped)."""
-        best: deque[TimerEntry] | None = None
-        for queue in self._timer_queues.values():
-            while queue and queue[0][1].timer is not queue[0]:
-                queue.popleft()
-            if queue and (best is None or queue[0][0] < best[0][0]):
-                best = queue
-        return best
-
     def deadline_of(self, kind: Declaration[Any], key: Hashable) -> float | None:
         inst = self.get(kind, key)
         return None if inst is None or inst.timer is None else float(inst.timer[0])
-
-    def next_deadline(self) -> float | None:
-        """The earliest armed deadline, or None when no timer is armed (aioquic's
-        `get_timer`): the caller comes back with `fire_due(now)` by then."""
-        queue = self._earliest()
-        return None if queue is None else float(queue[0][0])
 
     def fire_due(self, now: float) -> int:
         """Deliver every timeout whose deadline is at or before `now`, in deadline order.

@@ -28,15 +28,13 @@ the machine's context, an event type admitting every trigger that runs it, and n
 
 from __future__ import annotations
 
-import inspect
-import types
-import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.events import Event
+from kvhandoff.machines.runtime.signatures import check_signature, hints_of
+from kvhandoff.machines.runtime.signatures import fail as _fail
 from kvhandoff.protocol.errors import LocalProtocolError
 
 ANY_STATE = "*"
@@ -207,14 +205,10 @@ class Declaration(Generic[C]):
 # -- normalisation ---------------------------------------------------------------------
 
 
-def _fail(machine: str, message: str) -> LocalProtocolError:
-    return LocalProtocolError(f"machine {machine!r}: {message}")
-
-
 def _validate_context(decl: Declaration[Any]) -> None:
     if not isinstance(decl.context, type):
         raise _fail(decl.name, "context must be a class (a slotted record with a `key` field)")
-    if "key" not in _hints(decl.name, decl.context, "context"):
+    if "key" not in hints_of(decl.name, decl.context, "context"):
         raise _fail(
             decl.name, f"context {decl.context.__name__} needs a `key` field (the instance key)"
         )
@@ -355,7 +349,7 @@ def _validate_callbacks(decl: Declaration[Any]) -> None:
         fn = decl.callbacks.get(name)
         if not callable(fn):
             raise _fail(decl.name, f"a transition names missing callback {name!r}")
-        _check_signature(decl, name, fn, role, events)
+        check_signature(decl, name, fn, role, events)
     for state in decl.state_decls:
         timeout = state.timeout
         if timeout is None or not isinstance(timeout.after, str):
@@ -366,70 +360,6 @@ def _validate_callbacks(decl: Declaration[Any]) -> None:
                 f"timeout of state {state.name!r} reads config key {timeout.after!r} "
                 "which has no default in config_defaults",
             )
-
-
-def _hints(machine: str, obj: object, what: str) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(obj)
-    except Exception as exc:  # a name the annotations use is not importable at runtime
-        raise _fail(machine, f"cannot resolve the annotations of {what}: {exc}") from exc
-
-
-def _members(hint: object) -> tuple[object, ...]:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return typing.get_args(hint)
-    return (hint,)
-
-
-def _mentions_any(hint: object) -> bool:
-    return hint is Any or any(_mentions_any(arg) for arg in typing.get_args(hint))
-
-
-def _check_signature(
-    decl: Declaration[Any],
-    name: str,
-    fn: Callable[..., object],
-    role: str,
-    events: set[type[Event]],
-) -> None:
-    """`(ctx: Context, event: Event) -> list[Effect] | None` for actions, `-> bool` for
-    guards; the event annotation admits every trigger that runs the callback; no Any."""
-    where = f"{role} {name!r}"
-    params = list(inspect.signature(fn).parameters.values())
-    if len(params) != 2:
-        raise _fail(decl.name, f"{where} must take (ctx, event), takes {len(params)} parameters")
-    hints = _hints(decl.name, fn, where)
-    missing = [p.name for p in params if p.name not in hints] + (
-        [] if "return" in hints else ["return"]
-    )
-    if missing:
-        raise _fail(decl.name, f"{where} is not fully annotated (missing {missing})")
-    if any(_mentions_any(hint) for hint in hints.values()):
-        raise _fail(decl.name, f"{where} uses Any in its signature")
-    ctx_hint = hints[params[0].name]
-    if not (isinstance(ctx_hint, type) and issubclass(decl.context, ctx_hint)):
-        raise _fail(
-            decl.name, f"{where}: ctx is annotated {ctx_hint!r}, not {decl.context.__name__}"
-        )
-    admitted = [m for m in _members(hints[params[1].name]) if isinstance(m, type)]
-    for event in sorted(events, key=lambda e: e.__name__):
-        if not any(issubclass(event, m) for m in admitted):
-            raise _fail(
-                decl.name,
-                f"{where}: event is annotated {hints[params[1].name]!r}, "
-                f"which does not admit {event.__name__}",
-            )
-    returns = hints["return"]
-    if role == "guard":
-        ok = returns is bool
-    else:
-        ok = returns is type(None) or (
-            typing.get_origin(returns) is list
-            and all(isinstance(a, type) and issubclass(a, Effect) for a in typing.get_args(returns))
-        )
-    if not ok:
-        want = "bool" if role == "guard" else "list[Effect] or None"
-        raise _fail(decl.name, f"{where} returns {returns!r}, not {want}")
 
 
 def _validate_alternatives(decl: Declaration[Any]) -> None:
