@@ -25,7 +25,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvhandoff.sim.result import SimRunResult
+
+if TYPE_CHECKING:
+    from kvhandoff.sim.ec.world import SimulatedECWorld
+    from kvhandoff.sim.push.world import SimulatedPushWorld
 
 EVENT_LOG_LINES = 40
 
@@ -37,26 +43,10 @@ class SimulateOptions:
     variant: str | None = None  # a deliberately broken variant (self-check)
 
 
-@dataclass(slots=True)
-class SeedResult:
-    protocol: str
-    seed: int
-    requests: int
-    completed: int
-    failed_cleanly: int
-    leaked: int
-    hung: int
-    violations: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not (self.leaked or self.hung or self.violations)
-
-
 @dataclass(frozen=True, slots=True)
 class Protocol:
     name: str
-    run: Callable[[int, SimulateOptions], SeedResult]
+    run: Callable[[int, SimulateOptions], SimRunResult]
     explain: Callable[[int, SimulateOptions], list[str]]
     variants: Callable[[], Sequence[str]]
 
@@ -64,10 +54,11 @@ class Protocol:
 # -- push ---------------------------------------------------------------------------------
 
 
-def _push_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
-    from kvhandoff.sim.push.fabric import SimFaults
+def _push_world(seed: int, options: SimulateOptions, *, record: bool) -> SimulatedPushWorld:
+    from kvhandoff.sim.faults import SimFaults
+    from kvhandoff.sim.push.settings import SimSettings
     from kvhandoff.sim.push.variants import VARIANTS
-    from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
+    from kvhandoff.sim.push.world import SimulatedPushWorld
 
     faults = SimFaults.select(options.faults)
     variant = VARIANTS[options.variant] if options.variant else None
@@ -78,22 +69,8 @@ def _push_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
     )
 
 
-def _seed_result(protocol: str, result: Any) -> SeedResult:
-    """A world's `SimRunResult` as the report's `SeedResult`."""
-    return SeedResult(
-        protocol,
-        result.seed,
-        result.requests,
-        result.completed,
-        result.failed_cleanly,
-        result.leaked,
-        result.hung,
-        result.violations,
-    )
-
-
-def run_push_seed(seed: int, options: SimulateOptions) -> SeedResult:
-    return _seed_result("push", _push_world(seed, options, record=False).run())
+def run_push_seed(seed: int, options: SimulateOptions) -> SimRunResult:
+    return _push_world(seed, options, record=False).run()
 
 
 def explain_push_seed(seed: int, options: SimulateOptions) -> list[str]:
@@ -112,10 +89,11 @@ def _push_variants() -> list[str]:
 # -- encoder cache --------------------------------------------------------------------------
 
 
-def _ec_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
+def _ec_world(seed: int, options: SimulateOptions, *, record: bool) -> SimulatedECWorld:
+    from kvhandoff.sim.ec.settings import ECSimSettings
     from kvhandoff.sim.ec.variants import EC_VARIANTS
-    from kvhandoff.sim.ec.world import ECSimSettings, SimulatedECWorld
-    from kvhandoff.sim.push.fabric import SimFaults
+    from kvhandoff.sim.ec.world import SimulatedECWorld
+    from kvhandoff.sim.faults import SimFaults
 
     return SimulatedECWorld(
         seed,
@@ -127,8 +105,8 @@ def _ec_world(seed: int, options: SimulateOptions, *, record: bool) -> Any:
     )
 
 
-def run_ec_seed(seed: int, options: SimulateOptions) -> SeedResult:
-    return _seed_result("ec", _ec_world(seed, options, record=False).run())
+def run_ec_seed(seed: int, options: SimulateOptions) -> SimRunResult:
+    return _ec_world(seed, options, record=False).run()
 
 
 def explain_ec_seed(seed: int, options: SimulateOptions) -> list[str]:
@@ -199,9 +177,9 @@ class SimulateReport:
     hung: int = 0
     violations: int = 0
     seconds: float = 0.0
-    failures: list[SeedResult] = field(default_factory=list)
+    failures: list[SimRunResult] = field(default_factory=list)
 
-    def add(self, result: SeedResult) -> None:
+    def add(self, result: SimRunResult) -> None:
         self.runs += 1
         self.requests += result.requests
         self.completed += result.completed
@@ -244,7 +222,7 @@ def quiet_framework_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _run_task(task: tuple[str, int, SimulateOptions]) -> SeedResult:
+def _run_task(task: tuple[str, int, SimulateOptions]) -> SimRunResult:
     name, seed, options = task
     return PROTOCOLS[name].run(seed, options)
 
@@ -256,7 +234,7 @@ def simulate(
     first_seed: int = 0,
     options: SimulateOptions | None = None,
     jobs: int = 1,
-    on_result: Callable[[SeedResult], None] | None = None,
+    on_result: Callable[[SimRunResult], None] | None = None,
 ) -> SimulateReport:
     """Run `seeds` seeds of each protocol; `jobs` > 1 spreads seeds over processes."""
     options = options or SimulateOptions()
@@ -265,7 +243,7 @@ def simulate(
     started = time.perf_counter()
     with quiet_framework_logs():
         if jobs <= 1 or len(tasks) < 2 * jobs:
-            results: Iterator[SeedResult] = map(_run_task, tasks)
+            results: Iterator[SimRunResult] = map(_run_task, tasks)
             for result in results:
                 report.add(result)
                 if on_result is not None:
@@ -282,7 +260,7 @@ def simulate(
     return report
 
 
-def replay_command(result: SeedResult, options: SimulateOptions) -> str:
+def replay_command(result: SimRunResult, options: SimulateOptions) -> str:
     parts = [
         "kvhandoff simulate",
         result.protocol,
@@ -315,7 +293,7 @@ def main_from_args(args: Any) -> int:
     done = 0
     step = max(1, total // 10)
 
-    def progress(_result: SeedResult) -> None:
+    def progress(_result: SimRunResult) -> None:
         nonlocal done
         done += 1
         if total >= 100 and done % step == 0:
@@ -351,7 +329,7 @@ def main_from_args(args: Any) -> int:
 
 def _check_options(options: SimulateOptions, names: Sequence[str]) -> str | None:
     from kvhandoff.protocol.errors import LocalProtocolError
-    from kvhandoff.sim.push.fabric import SimFaults
+    from kvhandoff.sim.faults import SimFaults
 
     try:
         SimFaults.select(options.faults)

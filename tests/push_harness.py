@@ -22,7 +22,8 @@ from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
 from kvhandoff.sim.push.engine import Arrival
 from kvhandoff.sim.push.fabric import SimTransfer
-from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
+from kvhandoff.sim.push.settings import SimSettings
+from kvhandoff.sim.push.world import SimulatedPushWorld
 
 P_ENGINE = LocalEngine("prefill-0", "10.0.0.1", 5600)
 D_ENGINE = LocalEngine("decode-0", "10.0.0.2", 5700)

@@ -16,9 +16,10 @@ from collections import Counter
 
 import pytest
 
+from kvhandoff.sim.ec.settings import ECSimSettings
 from kvhandoff.sim.ec.variants import EC_VARIANTS
-from kvhandoff.sim.ec.world import ECSimSettings, SimulatedECWorld
-from kvhandoff.sim.push.fabric import SimFaults
+from kvhandoff.sim.ec.world import SimulatedECWorld
+from kvhandoff.sim.faults import SimFaults
 from kvhandoff.sim.run import SimulateOptions, quiet_framework_logs, run_ec_seed, simulate
 
 

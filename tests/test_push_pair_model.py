@@ -30,7 +30,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
+from kvhandoff.sim.push.settings import SimSettings
+from kvhandoff.sim.push.world import SimulatedPushWorld
 
 ROLES = st.sampled_from(["prefill", "decode"])
 MAX_REQUESTS = 6

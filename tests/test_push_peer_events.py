@@ -39,7 +39,8 @@ from kvhandoff.protocol.notifs import (
 )
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
-from kvhandoff.sim.push.world import SimSettings, SimulatedPushWorld
+from kvhandoff.sim.push.settings import SimSettings
+from kvhandoff.sim.push.world import SimulatedPushWorld
 
 P_COORDS = PrefillCoordinates("prefill-0", "10.0.0.1", 5600, 1)
 D_ENGINE = LocalEngine("decode-0", "10.0.0.2", 5700)

@@ -42,7 +42,7 @@ from kvhandoff.machines.push.scheduler import PushConnectorOutput
 from kvhandoff.protocol.notifs import HeartbeatNotif, encode_heartbeat
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PUSH_REG_PREFIX, encode_push_reg
-from kvhandoff.sim.push.fabric import SimTransportError
+from kvhandoff.sim.push.errors import SimTransportError
 from kvhandoff.sim.push.world import SimulatedPushWorld
 
 

@@ -17,7 +17,7 @@ from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, IssueRead
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.sim.ec.engine import Engine
-from kvhandoff.sim.push.fabric import SimFaults
+from kvhandoff.sim.faults import SimFaults
 
 __all__ = ["DataPlane"]
 

@@ -1,10 +1,11 @@
 """The end of a simulated encoder-cache run (simulation only).
 
-`settle` turns every fault off, heals, restarts, and drives the clock past every
-deadline; `probe` asks for a fresh encoding, which the consumer must read from the
-producer (a restarted one if it crashed); `final_check` counts what is left: no grant,
-pin, reserved or quarantined block, copy or message may outlive the deadlines, and every
-request must be resolved.
+What `SimulatedECWorld` tells the shared ending (`SeededWorld.settle`, `probe`,
+`final_check`): `quiesce` steps both engines until nothing moves at this instant;
+`probe_client` asks for a fresh encoding, which the consumer must then read from the
+producer (a restarted one if it crashed); `leftovers` is what may not outlive the
+deadlines (no grant, pin, reserved or quarantined block, copy or message); `counters`
+is what the run counted.
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
 from kvhandoff.machines.ec.request import EC_REQUEST
 from kvhandoff.sim.ec.engine import Engine
-from kvhandoff.sim.ec.faults import heal, restart
-from kvhandoff.sim.ec.settings import Phase
-from kvhandoff.sim.push.fabric import SimFaults
-from kvhandoff.sim.push.world import SimRunResult
+from kvhandoff.sim.ec.settings import ECClient
 
 if TYPE_CHECKING:
     from kvhandoff.sim.ec.world import SimulatedECWorld
 
-__all__ = ["final_check", "probe", "quiesce", "settle"]
-
-_HANGS = ("live_reads", "live_requests")
+__all__ = ["counters", "leftovers", "probe_client", "quiesce"]
 
 
 def quiesce(world: SimulatedECWorld, rounds: int = 50) -> None:
@@ -40,52 +36,22 @@ def quiesce(world: SimulatedECWorld, rounds: int = 50) -> None:
             return
 
 
-def run_for(world: SimulatedECWorld, seconds: float) -> None:
-    end = world.clock.now + seconds
-    while not world.violations:
-        quiesce(world)
-        world.check_invariants()
-        when = world.next_scheduled()
-        if when is None or when > end:
-            return
-        world.plane.run_until(max(when, world.clock.now + 1e-4))
+def probe_client(world: SimulatedECWorld, attempt: int) -> ECClient:
+    """A fresh encoding, every fault off: the producer saves it before the consumer asks."""
+    clock, plane = world.clock, world.plane
+    mm_hash = f"probe{attempt}"
+    saved_by = clock.now + 5.0
+    client = world.issue(probe=True, mm_hash=mm_hash)
+    while plane.producer.scheduler.cache.has(mm_hash, "awaiting_bytes"):
+        if clock.now > saved_by:
+            break
+        world.producer_step()
+        plane.advance(0.05)
+    return client
 
 
-def settle(world: SimulatedECWorld) -> None:
-    """Faults off, heal, restart; then drive the clock past every deadline."""
-    world.issuing = False
-    world.faults = SimFaults.none()
-    world.plane.faults = world.faults
-    if world.heal_at is not None:
-        heal(world)
-    for which in sorted(world.restart_at):
-        restart(world, which)
-    run_for(world, world.settings.settle_span_s)
-
-
-def probe(world: SimulatedECWorld) -> None:
-    """A fresh encoding, every fault off: the consumer must read it from the producer."""
-    settings, clock, plane = world.settings, world.clock, world.plane
-    for attempt in range(settings.probes):
-        mm_hash = f"probe{attempt}"
-        saved_by = clock.now + 5.0
-        client = world.issue(probe=True, mm_hash=mm_hash)
-        while plane.producer.scheduler.cache.has(mm_hash, "awaiting_bytes"):
-            if clock.now > saved_by:
-                break
-            world.producer_step()
-            plane.advance(0.05)
-        deadline = clock.now + settings.settle_span_s
-        while not client.resolved and clock.now < deadline and not world.violations:
-            quiesce(world)
-            if not client.resolved:
-                world.jump()
-        if client.phase is Phase.COMPLETED and mm_hash in world.reads_done:
-            return
-    world.violation(f"no recovery: probe {client.client_id} ended {client.phase}")
-
-
-def _leftovers(world: SimulatedECWorld) -> dict[str, dict[str, int]]:
+def leftovers(world: SimulatedECWorld) -> dict[str, dict[str, int]]:
+    """Every table that must be empty after all deadlines, per process, with its size."""
     plane = world.plane
     producer, consumer = plane.producer, plane.consumer
     return {
@@ -107,33 +73,9 @@ def _leftovers(world: SimulatedECWorld) -> dict[str, dict[str, int]]:
     }
 
 
-def final_check(world: SimulatedECWorld, *, settled: bool = True) -> SimRunResult:
-    """Count what is left; after `settle`, anything left is a leak or a hang."""
+def counters(world: SimulatedECWorld) -> dict[str, int]:
+    """The planes' and schedulers' counters, and how reads ended (coverage reports)."""
     plane = world.plane
-    leftovers = _leftovers(world)
-    leaked = hung = completed = failed = requests = 0
-    for role, tables in leftovers.items():
-        for name, size in list(tables.items()):
-            if not size or not settled:
-                del tables[name]
-                continue
-            if name in _HANGS:
-                hung += size
-            else:
-                leaked += size
-            world.violation(f"{role} {name} holds {size} after all deadlines")
-    for client in world.clients.values():
-        if not client.probe:
-            requests += 1
-        if not client.resolved:
-            if settled:
-                hung += 1
-                world.violation(f"{client.client_id} unresolved: {client.phase}")
-        elif not client.probe:
-            if client.phase is Phase.COMPLETED:
-                completed += 1
-            else:
-                failed += 1
     counters = dict(plane.counters)
     for engine in plane.engines():
         for name, value in engine.scheduler.counters().items():
@@ -141,19 +83,7 @@ def final_check(world: SimulatedECWorld, *, settled: bool = True) -> SimRunResul
     counters.update(world.outcomes)
     counters["reads_started"] = plane.reads_started
     counters["reads_landed"] = plane.reads_landed
-    return SimRunResult(
-        seed=world.seed,
-        requests=requests,
-        completed=completed,
-        failed_cleanly=failed,
-        leaked=leaked,
-        hung=hung,
-        violations=list(world.violations),
-        actions=world.actions,
-        sim_seconds=world.clock.now - 1000.0,
-        leftovers={k: v for k, v in leftovers.items() if v},
-        counters=counters,
-    )
+    return counters
 
 
 def _pinned(engine: Engine) -> int:

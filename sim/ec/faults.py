@@ -3,25 +3,31 @@
 Crash and restart of either process (the survivor's ZMQ heartbeat notices within its
 timeout), partition and heal (a long partition costs the heartbeat: both ends see a
 disconnect), clock jumps, eviction pressure on the producer, aborted consumer requests.
-`maybe_fault` rolls the world's dice for one of them; restarts and heals that are due
-come first.
+The shared scheduler (`SeededWorld.maybe_fault`) rolls the world's dice for one of them;
+restarts and heals that are due come first.
 """
 
 from __future__ import annotations
 
-import random
 from typing import TYPE_CHECKING
 
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.protocol.ec_config import DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S
 from kvhandoff.sim.ec.engine import Engine
 from kvhandoff.sim.ec.settings import Phase
-from kvhandoff.sim.push.fabric import SimFaults
 
 if TYPE_CHECKING:
     from kvhandoff.sim.ec.world import SimulatedECWorld
 
-__all__ = ["heal", "maybe_fault", "restart"]
+__all__ = [
+    "abort_one",
+    "clock_jump",
+    "crash",
+    "eviction_pressure",
+    "heal",
+    "partition",
+    "restart",
+]
 
 
 def eviction_pressure(world: SimulatedECWorld) -> None:
@@ -113,31 +119,3 @@ def clock_jump(world: SimulatedECWorld, seconds: float) -> None:
     memory the timers had already moved on)."""
     world.note(f"CLOCK JUMP {seconds:.1f}")
     world.plane.run_until(world.clock.now + seconds)
-
-
-def maybe_fault(world: SimulatedECWorld, rng: random.Random, faults: SimFaults) -> bool:
-    """Strike one fault (or carry out a due restart or heal); True when something happened."""
-    now = world.clock.now
-    for which, when in sorted(world.restart_at.items()):
-        if now >= when:
-            restart(world, which)
-            return True
-    if world.heal_at is not None and now >= world.heal_at:
-        heal(world)
-        return True
-    if faults.crash and rng.random() < faults.crash * 2:
-        crash(world, rng.choice(("producer", "consumer")), rng.uniform(0.5, 20.0))
-        return True
-    if faults.partition and world.heal_at is None and rng.random() < faults.partition * 2:
-        partition(world, rng.uniform(0.5, 30.0))
-        return True
-    if faults.clock_jump and rng.random() < faults.clock_jump:
-        clock_jump(world, rng.uniform(1.0, 45.0))
-        return True
-    if faults.eviction_pressure and rng.random() < faults.eviction_pressure:
-        eviction_pressure(world)
-        return True
-    if faults.abort and rng.random() < faults.abort:
-        abort_one(world)
-        return True
-    return False

@@ -49,7 +49,7 @@ from kvhandoff.protocol.ec_wire import (
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.sim.ec.data_plane import DataPlane
 from kvhandoff.sim.ec.engine import BLOCK_BYTES, COMPAT, Engine, layout, transfer_config
-from kvhandoff.sim.push.fabric import SimFaults
+from kvhandoff.sim.faults import SimFaults
 
 __all__ = ["BLOCK_BYTES", "COMPAT", "Engine", "SimECPlane", "layout", "transfer_config"]
 

@@ -93,3 +93,7 @@ class ECClient:
     @property
     def resolved(self) -> bool:
         return self.phase.final
+
+    @property
+    def completed(self) -> bool:
+        return self.phase is Phase.COMPLETED

@@ -23,7 +23,9 @@ falls back only for a reason the seed allows (NACK_NOT_READY only once the retri
 spent) and quarantines only after a READ timeout or a disconnect; a request encodes
 locally only what it has media for, and fails only when it lost a rewritten encoding.
 
-A run ends with `settle` (faults off, heal, restart, the clock driven past every
+The scheduler, the run and its end are `SeededWorld`'s (`kvhandoff.sim.world`); the
+faults this world strikes are in `faults.py`, what its end looks at in `ending.py`. A
+run ends with `settle` (faults off, heal, restart, the clock driven past every
 deadline), `probe` (a fresh encoding must be read remotely, from a restarted producer if
 it crashed), and `final_check` (no grant, pin, reserved or quarantined block, copy or
 message left; every request resolved).
@@ -32,59 +34,48 @@ message left; every request resolved).
 from __future__ import annotations
 
 import random
-from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Unpack
 
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
-from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.sim.contracts import Choices, WorldOptions
+from kvhandoff.sim.ec import ending
+from kvhandoff.sim.ec import faults as ec_faults
 from kvhandoff.sim.ec.checks import check_evicting, check_invariants, check_read_retired
-from kvhandoff.sim.ec.ending import final_check, probe, settle
-from kvhandoff.sim.ec.faults import maybe_fault
 from kvhandoff.sim.ec.plane import Engine, SimECPlane
 from kvhandoff.sim.ec.settings import META, ECClient, ECSimSettings, Phase
-from kvhandoff.sim.push.fabric import SimFaults
-from kvhandoff.sim.push.world import SimRunResult
+from kvhandoff.sim.faults import SimFaults
+from kvhandoff.sim.world import SeededWorld
 
-__all__ = ["ECClient", "ECSimSettings", "ECVariant", "SimulatedECWorld"]
+__all__ = ["ECVariant", "SimulatedECWorld"]
 
 ECVariant = Callable[["SimulatedECWorld", Engine], None]
 
 _RELAYING, _WAITING = Phase.RELAYING, Phase.WAITING  # looked up once: `waiting()` is hot
 
 
-class SimulatedECWorld:
+class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
+    """A producer and a consumer over `SimECPlane`; the scheduler comes from `SeededWorld`."""
+
+    protocol: ClassVar[str] = "ec"
+    roles: ClassVar[tuple[str, ...]] = ("producer", "consumer")
+    restart_order: ClassVar[tuple[str, ...]] = ("consumer", "producer")
+    hang_tables: ClassVar[frozenset[str]] = frozenset({"live_reads", "live_requests"})
+    crash_rate: ClassVar[float] = 2.0
+    partition_rate: ClassVar[float] = 2.0
+    partition_s: ClassVar[tuple[float, float]] = (0.5, 30.0)
+    stop_at_violation: ClassVar[bool] = True
+
     def __init__(
-        self,
-        seed: int,
-        *,
-        faults: SimFaults | None = None,
-        settings: ECSimSettings | None = None,
-        variant: ECVariant | None = None,
-        record: bool = False,
-        log_limit: int | None = 4000,
+        self, seed: int, **options: Unpack[WorldOptions[ECSimSettings, ECVariant]]
     ) -> None:
-        self.seed = seed
-        self.settings = settings or ECSimSettings()
-        self.rng = random.Random(seed)
-        self.clock = VirtualClock(1000.0)
-        self.faults = faults or SimFaults.none()
-        self.variant = variant
-        self.recording = record
-        self.log: deque[str] = deque(maxlen=log_limit)
-        self.violations: list[str] = []
+        super().__init__(seed, **options)
         self.clients: dict[str, ECClient] = {}
         self.reads_done: set[str] = set()
         self.outcomes: dict[str, int] = {}  # how reads ended, for coverage reports
-        self.actions = 0
-        self._serial = 0
         self.fillers = 0
-        self.next_issue_at = self.clock.now
-        self.issuing = True
-        self.heal_at: float | None = None
-        self.restart_at: dict[str, float] = {}
         self.plane = SimECPlane(
             seed,
             producer_blocks=self.settings.producer_blocks,
@@ -100,21 +91,15 @@ class SimulatedECWorld:
             on_engine=self._attach,
         )
 
-    # -- recording and observers ----------------------------------------------------------
+    def default_settings(self) -> ECSimSettings:
+        return ECSimSettings()
 
-    def note(self, message: str) -> None:
-        if self.recording:
-            self.log.append(f"t={self.clock.now:.4f} {message}")
-
-    def violation(self, message: str) -> None:
-        self.violations.append(f"t={self.clock.now:.4f} {message}")
+    # -- observers ----------------------------------------------------------------------
 
     def _attach(self, engine: Engine) -> None:
         bus = engine.scheduler.bus
         if self.recording:
-            log = self.log
-            source = f"{engine.name}-{engine.epoch}"
-            bus.record(lambda line: log.append(f"{source} {line}"))
+            bus.record(self.sink(f"{engine.name}-{engine.epoch}"))
         if engine.name == "consumer":
             bus.on_retire(lambda inst: check_read_retired(self, inst))
         if self.variant is not None:
@@ -216,76 +201,83 @@ class SimulatedECWorld:
     def producer_step(self) -> None:
         self.plane.engine_step(self.plane.producer, [])
 
-    # -- the seeded scheduler -----------------------------------------------------------------
+    # -- what the seeded scheduler asks (SeededWorld) -------------------------------------
 
-    def run(self) -> SimRunResult:
-        while self.actions < self.settings.max_actions and not self.violations:
-            if self._serial >= self.settings.requests and self._all_resolved():
-                break
-            self.random_action()
-            self.check_invariants()
-        if self.violations:  # stop at the first broken rule: its log stays short
-            return final_check(self, settled=False)
-        settle(self)
-        probe(self)
-        settle(self)
-        return final_check(self)
-
-    def _all_resolved(self) -> bool:
-        return all(c.resolved for c in self.clients.values())
-
-    def random_action(self) -> None:
-        self.actions += 1
-        rng = self.rng
-        if maybe_fault(self, rng, self.faults):
-            return
-        choices: list[tuple[float, Callable[[], None]]] = []
-        now = self.clock.now
-        if self.issuing and self._serial < self.settings.requests and now >= self.next_issue_at:
-            choices.append((2.0, self._arrive))
-        plane = self.plane
-        waiting = bool(self.waiting())
-        consumer_busy = waiting or plane.consumer.worker.in_flight() > 0
+    def due_actions(self, choices: Choices, now: float) -> None:
+        plane, rng = self.plane, self.rng
+        consumer_busy = bool(self.waiting()) or plane.consumer.worker.in_flight() > 0
         choices.append((3.0 if consumer_busy else 0.3, self.consumer_step))
         producer_busy = plane.producer.worker.in_flight() > 0
         choices.append((3.0 if producer_busy else 0.3, self.producer_step))
         choices.append((2.0, lambda: plane.advance(rng.expovariate(20.0))))
         if not consumer_busy and not producer_busy:
             choices.append((1.0, self.jump))
-        total = sum(w for w, _ in choices)
-        pick = rng.random() * total
-        for weight, action in choices:
-            pick -= weight
-            if pick <= 0:
-                action()
-                return
-        choices[-1][1]()
 
-    def _arrive(self) -> None:
-        self.issue()
-        self.next_issue_at = self.clock.now + self.rng.expovariate(
-            1.0 / self.settings.mean_interarrival_s
-        )
+    def event_times(self) -> list[float]:
+        times = [c.relay_at for c in self.clients.values() if c.phase is Phase.RELAYING]
+        when = self.plane.next_event()
+        if when is not None:
+            times.append(when)
+        return times
 
-    def next_scheduled(self) -> float | None:
-        """The earliest time something happens by itself."""
-        times = [t for t in (self.plane.next_event(), self.heal_at) if t is not None]
-        times += self.restart_at.values()
-        times += [c.relay_at for c in self.clients.values() if c.phase is Phase.RELAYING]
-        if self.issuing and self._serial < self.settings.requests:
-            times.append(self.next_issue_at)
-        return min(times, default=None)
+    def advance_to(self, when: float) -> None:
+        """The planes run to `when` (at least 0.1 ms on), delivering what falls due."""
+        self.plane.run_until(max(when, self.clock.now + 1e-4))
 
-    def jump(self) -> None:
-        """Jump the clock to the next thing that happens by itself (at least 0.1 ms)."""
-        when = self.next_scheduled()
-        target = self.clock.now + 1.0 if when is None else max(when, self.clock.now + 1e-4)
-        self.plane.run_until(target)
+    def crash(self, role: str, downtime: float) -> None:
+        ec_faults.crash(self, role, downtime)
+
+    def restart(self, role: str) -> None:
+        ec_faults.restart(self, role)
+
+    def partition(self, duration: float) -> None:
+        ec_faults.partition(self, duration)
+
+    def heal(self) -> None:
+        ec_faults.heal(self)
+
+    def clock_jump(self, seconds: float) -> None:
+        ec_faults.clock_jump(self, seconds)
+
+    def abort_one(self) -> None:
+        ec_faults.abort_one(self)
+
+    def protocol_fault(self) -> bool:
+        rate = self.faults.eviction_pressure
+        if rate and self.rng.random() < rate:
+            ec_faults.eviction_pressure(self)
+            return True
+        return False
+
+    def use_faults(self, faults: SimFaults) -> None:
+        self.faults = self.plane.faults = faults
 
     # -- invariants and the end of a run ----------------------------------------------------
 
     def check_invariants(self) -> None:
         check_invariants(self)
+
+    def quiesce(self, rounds: int = 50) -> None:
+        ending.quiesce(self, rounds)
+
+    def probe_client(self, attempt: int) -> ECClient:
+        return ending.probe_client(self, attempt)
+
+    def recovered(self, client: ECClient) -> bool:
+        """The probe completed by reading its encoding from the producer."""
+        return client.completed and client.mm_hashes[0] in self.reads_done
+
+    def state_of(self, client: ECClient) -> str:
+        return str(client.phase)
+
+    def clients_seen(self) -> Iterable[ECClient]:
+        return self.clients.values()
+
+    def leftovers(self) -> dict[str, dict[str, int]]:
+        return ending.leftovers(self)
+
+    def counters(self) -> dict[str, int]:
+        return ending.counters(self)
 
     def terms_of(self, violations: list[str]) -> set[str]:
         """The client ids and mm_hashes the first violations name (for an event log)."""

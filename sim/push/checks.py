@@ -3,90 +3,72 @@
 
 `RunChecks` is mixed into `SimulatedPushWorld`: the fabric reports every notif sent,
 WRITE posted and WRITE landed (`SimObserver`), and each is checked against the ledger
-and the engines' block pools at that moment; `final_check` turns the settled world into
-the run's verdict (every lease freed exactly once, every registration ended, every table
-empty).
+and the engines' block pools at that moment; at the end of a run it tells the shared
+`final_check` what must be empty (every lease freed exactly once, every registration
+ended, every table empty) and what the run counted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import ClassVar
+
 from kvhandoff.machines.push.p_lease import P_LEASE
-from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.blocks import expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.notifs import decode_completion_notif
 from kvhandoff.protocol.push_wire import PUSH_REG_PREFIX, decode_push_reg
 from kvhandoff.sim.push.engine import SimEngine
 from kvhandoff.sim.push.fabric import SimNetwork, SimTransfer
-from kvhandoff.sim.push.ledger import SimLedger
+from kvhandoff.sim.push.ledger import ClientRecord, SimLedger
 from kvhandoff.sim.push.memory import physical_ids
-from kvhandoff.sim.push.settings import SimRunResult, SimSettings
+from kvhandoff.sim.push.settings import SimSettings
 
 
 class RunChecks:
     """The ledger's checks of one world (a mixin of `SimulatedPushWorld`)."""
 
     # Owned by the world.
-    seed: int
     settings: SimSettings
-    clock: VirtualClock
     network: SimNetwork
     ledger: SimLedger
     prefill: SimEngine
     decode: SimEngine
     engines: tuple[SimEngine, SimEngine]
-    actions: int
 
-    def final_check(self) -> SimRunResult:
-        ledger = self.ledger
+    hang_tables: ClassVar[frozenset[str]] = frozenset(
+        {"live_d_registrations", "live_p_leases", "engine_requests"}
+    )
+
+    def leftovers(self) -> dict[str, dict[str, int]]:
         leftovers: dict[str, dict[str, int]] = {e.role: e.leftovers() for e in self.engines}
         in_flight = len(self.network.in_flight)
         if in_flight:
             leftovers.setdefault("network", {})["in_flight"] = in_flight
-        leaked = hung = completed = failed = requests = 0
-        for role, tables in leftovers.items():
-            for name, size in tables.items():
-                if name in ("live_d_registrations", "live_p_leases", "engine_requests"):
-                    hung += size
-                else:
-                    leaked += size
-                ledger.violation(f"{role} {name} holds {size} entries after all deadlines")
-        for record in ledger.clients.values():
-            if not record.probe:
-                requests += 1
-            lease_gone = record.p_id is not None and not self.prefill.side.bus.get(
-                P_LEASE, record.p_id
-            )
-            if record.p == "leased" and lease_gone:
-                leaked += 1
-                ledger.violation(f"P lease {record.p_id!r} ended but was never freed")
-            if not record.resolved:
-                hung += 1
-                ledger.violation(f"{record.client_id} unresolved: P={record.p} D={record.d}")
-            elif not record.probe:
-                if record.completed:
-                    completed += 1
-                else:
-                    failed += 1
+        return leftovers
+
+    def leaked_by(self, client: ClientRecord) -> int:
+        """A P lease that ended without freeing its blocks leaks them."""
+        lease_gone = client.p_id is not None and not self.prefill.side.bus.get(P_LEASE, client.p_id)
+        if client.p == "leased" and lease_gone:
+            self.ledger.violation(f"P lease {client.p_id!r} ended but was never freed")
+            return 1
+        return 0
+
+    def state_of(self, client: ClientRecord) -> str:
+        return f"P={client.p} D={client.d}"
+
+    def clients_seen(self) -> Iterable[ClientRecord]:
+        return self.ledger.clients.values()
+
+    def counters(self) -> dict[str, int]:
         counters = dict(self.network.counters)
         for engine in self.engines:
             counters[f"{engine.role}.rejected_notifs"] = (
                 engine.side.writer.rejected_notifs + engine.side.worker.rejected_notifs
             )
-        counters["late_writes"] = ledger.late_writes
-        return SimRunResult(
-            seed=self.seed,
-            requests=requests,
-            completed=completed,
-            failed_cleanly=failed,
-            leaked=leaked,
-            hung=hung,
-            violations=list(ledger.violations),
-            actions=self.actions,
-            sim_seconds=self.clock.now - 1000.0,
-            leftovers=leftovers,
-            counters=counters,
-        )
+        counters["late_writes"] = self.ledger.late_writes
+        return counters
 
     # -- what the fabric tells us (SimObserver) ------------------------------------------------
 

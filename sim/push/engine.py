@@ -83,7 +83,6 @@ class SimEngine:
         self.members = members
         self.generation = 0
         self.alive = False
-        self.restart_at: float | None = None
         self.boot()
 
     # -- process lifecycle -----------------------------------------------------------
@@ -123,14 +122,14 @@ class SimEngine:
         self.last_writer_pass = world.clock.now
         self.dirty = False
         self.alive = True
-        self.restart_at = None
         if world.recording:
             self.side.bus.record(world.sink(f"{self.role}.main"))
             self.side.writer_bus.record(world.sink(f"{self.role}.writer"))
         world.apply_variant(self)
 
-    def crash(self, downtime: float) -> None:
-        """The process dies: its agent leaves the fabric, its requests are lost."""
+    def crash(self) -> None:
+        """The process dies: its agent leaves the fabric, its requests are lost (the world
+        restarts it when its downtime is over)."""
         world = self.world
         world.network.crash(self.engine_id)
         self.executor.discard()
@@ -141,7 +140,6 @@ class SimEngine:
         self.requests.clear()
         self.arrivals.clear()
         self.alive = False
-        self.restart_at = world.clock.now + downtime
 
     def _on_retire(self, inst: Instance[Any]) -> None:
         if inst.machine.decl is D_REGISTRATION:

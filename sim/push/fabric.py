@@ -18,8 +18,8 @@ network to deliver, so a run is reproducible from its seed.
 - One-shot overrides (`fail_next_handshakes`, `fail_next_write_posts`) and explicit
   `deliver` / `drop` / `duplicate` of any message let a test choose every fault itself.
 
-The fault vocabulary (`SimFaults`, `SimTransportError`) lives in `faults.py`, the
-handshake executor (`SimHandshakeExecutor`) in `executor.py`.
+The fault vocabulary (`SimFaults`) lives in `kvhandoff.sim.faults`, `SimTransportError`
+in `errors.py`, the handshake executor (`SimHandshakeExecutor`) in `executor.py`.
 """
 
 from __future__ import annotations
@@ -33,20 +33,13 @@ from kvhandoff.adapters.push_transport import XferState
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.handshake import encode_handshake
-from kvhandoff.sim.push.faults import FAULT_NAMES, SimFaults, SimTransportError
+from kvhandoff.sim.faults import SimFaults
+from kvhandoff.sim.push.errors import SimTransportError
 
 if TYPE_CHECKING:
     from kvhandoff.sim.push.transport import SimPushTransport
 
-__all__ = [
-    "FAULT_NAMES",
-    "SimFaults",
-    "SimMessage",
-    "SimNetwork",
-    "SimObserver",
-    "SimTransfer",
-    "SimTransportError",
-]
+__all__ = ["SimMessage", "SimNetwork", "SimObserver", "SimTransfer"]
 
 _ADDRESS_STRIDE = 1 << 40  # fake address space per simulated agent
 

@@ -1,9 +1,9 @@
-"""The shape of a simulated push run and its verdict (deterministic simulation only)."""
+"""The shape of a simulated push run (deterministic simulation only)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvhandoff.protocol.push_config import PushConfig
@@ -11,7 +11,7 @@ from kvhandoff.protocol.push_config import PushConfig
 if TYPE_CHECKING:
     from kvhandoff.sim.push.engine import SimEngine
 
-__all__ = ["MEMBERS", "SIM_PUSH_CONFIG", "SimRunResult", "SimSettings", "Variant"]
+__all__ = ["MEMBERS", "SIM_PUSH_CONFIG", "SimSettings", "Variant"]
 
 MEMBERS = ("layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v")
 
@@ -64,22 +64,3 @@ class SimSettings:
             + self.quarantine_s
             + 100.0
         )
-
-
-@dataclass(slots=True)
-class SimRunResult:
-    seed: int
-    requests: int
-    completed: int
-    failed_cleanly: int
-    leaked: int
-    hung: int
-    violations: list[str]
-    actions: int
-    sim_seconds: float
-    leftovers: dict[str, dict[str, int]] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not (self.leaked or self.hung or self.violations)

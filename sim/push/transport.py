@@ -34,7 +34,8 @@ from kvhandoff.protocol.member_routing import (
     RemoteRoute,
     derive_member_major_layout,
 )
-from kvhandoff.sim.push.fabric import SimNetwork, SimTransfer, SimTransportError
+from kvhandoff.sim.push.errors import SimTransportError
+from kvhandoff.sim.push.fabric import SimNetwork, SimTransfer
 
 __all__ = ["SIM_BACKEND", "SimPushTransport"]
 

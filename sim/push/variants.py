@@ -20,7 +20,7 @@ from kvhandoff.machines.push.events import LeaseExpired
 from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.sim.push.engine import SimEngine
-from kvhandoff.sim.push.world import Variant
+from kvhandoff.sim.push.settings import Variant
 
 
 def lease_never_freed(engine: SimEngine) -> None:

@@ -10,89 +10,61 @@ exactly from its seed.
 The same actions are public (`issue`, `step`, `writer_pass`, `deliver`, `run_job`,
 `advance`, `crash`, ...) so a Hypothesis state machine can choose them instead.
 
-A run ends with `settle`: faults off, partitions healed, crashed engines restarted, the
-clock driven past every deadline; then `probe` sends fresh requests until one completes
-(a peer that came back is re-handshaked, B-08), and `final_check` demands that every
-lease was freed exactly once, every registration ended, and every table is empty.
+The scheduler, the run and its end are `SeededWorld`'s (`kvhandoff.sim.world`); this
+world says what is due and how likely (`due_actions`), how its faults strike, and what
+must be empty at the end (`RunChecks`). A run ends with `settle`: faults off,
+partitions healed, crashed engines restarted, the clock driven past every deadline;
+then `probe` sends fresh requests until one completes (a peer that came back is
+re-handshaked, B-08), and `final_check` demands that every lease was freed exactly once,
+every registration ended, and every table is empty.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
-from collections.abc import Callable
+from typing import ClassVar, Unpack
 
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.handshake import compatibility_hash
+from kvhandoff.sim.contracts import Choices, WorldOptions
+from kvhandoff.sim.faults import SimFaults
 from kvhandoff.sim.push.checks import RunChecks
 from kvhandoff.sim.push.engine import Arrival, SimEngine
-from kvhandoff.sim.push.fabric import SimFaults, SimNetwork
-from kvhandoff.sim.push.ledger import SimLedger
-from kvhandoff.sim.push.settings import (
-    MEMBERS,
-    SIM_PUSH_CONFIG,
-    SimRunResult,
-    SimSettings,
-    Variant,
-)
+from kvhandoff.sim.push.fabric import SimNetwork
+from kvhandoff.sim.push.ledger import ClientRecord, SimLedger
+from kvhandoff.sim.push.settings import MEMBERS, SimSettings, Variant
+from kvhandoff.sim.world import SeededWorld
 
-__all__ = [
-    "MEMBERS",
-    "SIM_PUSH_CONFIG",
-    "SimRunResult",
-    "SimSettings",
-    "SimulatedPushWorld",
-    "Variant",
-]
+__all__ = ["SimulatedPushWorld"]
 
 
-class SimulatedPushWorld(RunChecks):
-    """P and D over one fabric and one clock; the checks come from `RunChecks`."""
+class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Variant]):
+    """P and D over one fabric and one clock; the scheduler comes from `SeededWorld`,
+    the checks from `RunChecks`."""
 
-    def __init__(
-        self,
-        seed: int,
-        *,
-        faults: SimFaults | None = None,
-        settings: SimSettings | None = None,
-        variant: Variant | None = None,
-        record: bool = False,
-        log_limit: int | None = 4000,
-    ) -> None:
-        self.seed = seed
-        self.settings = settings or SimSettings()
-        self.rng = random.Random(seed)
-        self.clock = VirtualClock(1000.0)
-        self.faults = faults or SimFaults.none()
+    protocol: ClassVar[str] = "push"
+    roles: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    restart_order: ClassVar[tuple[str, ...]] = roles
+
+    def __init__(self, seed: int, **options: Unpack[WorldOptions[SimSettings, Variant]]) -> None:
+        super().__init__(seed, **options)
         self.network = SimNetwork(random.Random(self.rng.getrandbits(64)), self.clock, self.faults)
         self.network.observer = self
         self.ledger = SimLedger()
+        self.violations = self.ledger.violations  # the ledger records every broken rule
         self.compatibility_hash = compatibility_hash(
             "kvhandoff-sim", "sim-model", "uint8", self.settings.block_len
         )
-        self.recording = record
-        self.log: deque[str] = deque(maxlen=log_limit)
-        self.variant = variant
-        self.actions = 0
-        self._serial = 0
         self.prefill = SimEngine(self, "prefill", "prefill-0", "10.0.0.1", 5600, MEMBERS)
         # D lists its regions in another order: routing must go by member (R-P14).
         self.decode = SimEngine(self, "decode", "decode-0", "10.0.0.2", 5700, MEMBERS[::-1])
         self.engines = (self.prefill, self.decode)
-        self.heal_at: float | None = None
-        self.next_issue_at = self.clock.now
-        self.issuing = True  # the seeded scheduler still has client requests to send
 
-    # -- recording ----------------------------------------------------------------------
+    def default_settings(self) -> SimSettings:
+        return SimSettings()
 
-    def sink(self, source: str) -> Callable[[str], None]:
-        log = self.log
-        return lambda line: log.append(f"{source} {line}")
-
-    def note(self, message: str) -> None:
-        if self.recording:
-            self.log.append(f"t={self.clock.now:.4f} {message}")
+    def violation(self, message: str) -> None:
+        self.ledger.violation(message)
 
     def apply_variant(self, engine: SimEngine) -> None:
         if self.variant is not None:
@@ -164,10 +136,12 @@ class SimulatedPushWorld(RunChecks):
         engine = self.engine(role)
         if engine.alive:
             self.note(f"CRASH {role}")
-            engine.crash(downtime)
+            engine.crash()
+            self.restart_at[role] = self.clock.now + downtime
 
     def restart(self, role: str) -> None:
         engine = self.engine(role)
+        self.restart_at.pop(role, None)
         if not engine.alive:
             self.note(f"RESTART {role}")
             engine.boot()
@@ -190,28 +164,14 @@ class SimulatedPushWorld(RunChecks):
             self.note(f"abort {victim}")
             decode.abort(victim)
 
-    # -- the seeded scheduler ---------------------------------------------------------------
+    def clock_jump(self, seconds: float) -> None:
+        self.advance(seconds)
 
-    def run(self) -> SimRunResult:
-        """One whole seeded run: requests under faults, then settle, probe and check."""
-        while self.actions < self.settings.max_actions:
-            if self._serial >= self.settings.requests and not self.ledger.unresolved():
-                break
-            self.random_action()
-        self.settle()
-        self.probe()
-        self.settle()
-        return self.final_check()
+    # -- what the seeded scheduler asks (SeededWorld) ---------------------------------------
 
-    def random_action(self) -> None:
-        self.actions += 1
-        rng, faults, now = self.rng, self.faults, self.clock.now
-        if self._maybe_fault(rng, faults, now):
-            return
-        choices: list[tuple[float, Callable[[], None]]] = []
-        idle_steps: list[tuple[float, Callable[[], None]]] = []
-        if self._serial < self.settings.requests and now >= self.next_issue_at:
-            choices.append((2.0, self._arrive))
+    def due_actions(self, choices: Choices, now: float) -> None:
+        rng = self.rng
+        idle_steps: Choices = []
         for engine in self.engines:
             role = engine.role
             if engine.busy():
@@ -227,65 +187,24 @@ class SimulatedPushWorld(RunChecks):
         if choices:  # something is due now: time moves in small steps meanwhile
             choices.append((0.5, lambda: self.advance(rng.expovariate(200.0))))
         else:  # nothing is due: jump to the next thing that will be
-            choices.append((1.0, self._jump))
+            choices.append((1.0, self.jump))
         choices += idle_steps
-        total = sum(w for w, _ in choices)
-        pick = rng.random() * total
-        for weight, action in choices:
-            pick -= weight
-            if pick <= 0:
-                action()
-                return
-        choices[-1][1]()
 
-    def _maybe_fault(self, rng: random.Random, faults: SimFaults, now: float) -> bool:
-        for engine in self.engines:
-            if not engine.alive and engine.restart_at is not None and now >= engine.restart_at:
-                self.restart(engine.role)
-                return True
-        if self.heal_at is not None and now >= self.heal_at:
-            self.heal()
-            return True
-        if faults.crash and rng.random() < faults.crash:
-            engine = rng.choice(self.engines)
-            if engine.alive:
-                self.crash(engine.role, rng.uniform(0.5, 20.0))
-                return True
-        if faults.partition and self.heal_at is None and rng.random() < faults.partition:
-            self.partition(rng.uniform(1.0, 40.0))
-            return True
-        if faults.clock_jump and rng.random() < faults.clock_jump:
-            self.advance(rng.uniform(1.0, 45.0))
-            return True
-        if faults.abort and rng.random() < faults.abort:
-            self.abort_one()
-            return True
-        return False
-
-    def _arrive(self) -> None:
-        self.issue()
-        self.next_issue_at = self.clock.now + self.rng.expovariate(
-            1.0 / self.settings.mean_interarrival_s
-        )
-
-    def next_event(self, *, scheduled: bool = False) -> float | None:
-        """The earliest time something happens by itself; with `scheduled`, also what only
-        the seeded scheduler does (the next client request, restarting a crashed engine)."""
+    def event_times(self) -> list[float]:
         times = [e for e in (engine.next_event() for engine in self.engines) if e is not None]
-        if scheduled:
-            times += [e.restart_at for e in self.engines if not e.alive and e.restart_at]
-            if self.issuing and self._serial < self.settings.requests:
-                times.append(self.next_issue_at)
         arrival = self.network.next_arrival()
         if arrival is not None:
             times.append(arrival)
-        if self.heal_at is not None:
-            times.append(self.heal_at)
-        return min(times) if times else None
+        return times
 
-    def _jump(self) -> None:
-        when = self.next_event(scheduled=True)
-        self.advance_to(self.clock.now + 1.0 if when is None else when)
+    def use_faults(self, faults: SimFaults) -> None:
+        self.faults = self.network.faults = faults
+
+    def inject_crash(self, role: str) -> bool:
+        return self.engine(role).alive and super().inject_crash(role)
+
+    def probe_client(self, attempt: int) -> ClientRecord:
+        return self.ledger.clients[self.issue(probe=True)]
 
     # -- the end of a run ----------------------------------------------------------------------
 
@@ -309,49 +228,8 @@ class SimulatedPushWorld(RunChecks):
             if not progressed:
                 return
 
-    def run_for(self, seconds: float) -> None:
-        """Let every actor run what falls due, the clock moving event to event, for a while."""
-        end = self.clock.now + seconds
-        while True:
-            self.quiesce()
-            when = self.next_event()
-            if when is None or when > end:
-                return
-            self.advance_to(when)
-
     def settle(self) -> None:
-        """Faults off, heal, restart; then drive the clock past every deadline."""
-        self.issuing = False
-        self.faults = SimFaults.none()
-        self.network.faults = self.faults
-        if self.heal_at is not None:
-            self.heal()
-        for engine in self.engines:
-            if not engine.alive:
-                self.restart(engine.role)
-        self.run_for(self.settings.settle_span_s)
+        """Faults off, heal, restart, every deadline past; then quarantines end."""
+        super().settle()
         for engine in self.engines:
             engine.pool.expire_quarantine(float("inf"))
-
-    def probe(self) -> None:
-        """Fresh requests, one at a time, every fault off: one of them must complete.
-
-        The first may fail cleanly on a connection that died with a crashed peer (that
-        failure is what makes the side forget the dead agent); the next must re-handshake
-        and succeed (B-08).
-        """
-        last = None
-        for _ in range(self.settings.probes):
-            last = self.issue(probe=True)
-            deadline = self.clock.now + self.settings.settle_span_s
-            while not self.ledger.clients[last].resolved and self.clock.now < deadline:
-                self.quiesce()
-                if not self.ledger.clients[last].resolved:
-                    self._jump()
-            if self.ledger.clients[last].completed:
-                return
-        if last is not None:
-            record = self.ledger.clients[last]
-            self.ledger.violation(
-                f"no recovery: probe {last} ended P={record.p} D={record.d} with every fault off"
-            )

@@ -1,8 +1,9 @@
-"""Faults of the simulated fabric (deterministic simulation ONLY).
+"""The faults a simulated world can inject (deterministic simulation ONLY).
 
 `SimFaults` names the probability of every fault the simulators can inject (the
-`--faults` vocabulary of `kvhandoff simulate`); `SimTransportError` is what a simulated
-transport raises when one strikes, or when a peer is dead or partitioned.
+`--faults` vocabulary of `kvhandoff simulate`); `SimFaults.select` parses that vocabulary
+and `FAULT_NAMES` lists it. Both protocols' worlds and planes read it; each reads the
+faults that apply to it.
 """
 
 from __future__ import annotations
@@ -10,24 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
-from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError
 
-__all__ = ["FAULT_NAMES", "SimFaults", "SimTransportError"]
-
-
-class SimTransportError(KvHandoffError):
-    """A simulated transport failure: an injected fault, a dead or partitioned peer.
-
-    `peer_gone` is true when the remote agent no longer exists, as NIXL reports a
-    disconnected remote (`push_transport.peer_gone`, B-08).
-    """
-
-    def __init__(self, message: str, *, peer_gone: bool = False) -> None:
-        self.peer_gone = peer_gone
-        super().__init__(message)
-
-
-# -- faults ---------------------------------------------------------------------------
+__all__ = ["FAULT_NAMES", "SimFaults"]
 
 
 @dataclass(frozen=True, slots=True)
