@@ -250,9 +250,10 @@ def test_R_P08_R_P15_heartbeats_keep_a_lease_alive(prefill_factory: Any) -> None
     poll_until(prefill.all_sent, 40, "the push")
     summary = child_summary(d)
     assert summary["verified"] == 1
+    # The handshake stalls 2 s, twice the 1 s lease: only D's heartbeats kept it alive.
     assert "push.p.lease_expired" not in p.side.bus.metrics
     heartbeats = [r for r in p.side.bus.machine(P_LEASE).routes if r.edge[1] == "heartbeat"]
-    assert sum(r.count for r in heartbeats) >= 2
+    assert any(r.taken for r in heartbeats), "a heartbeat extended the lease"
 
 
 def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Node, Route
+from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Route
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Emit, ExtendDeadline, Metric
 from kvhandoff.machines.runtime.events import Event
@@ -57,8 +57,9 @@ ErrorHook = Callable[[Instance[Any], Event, BaseException], None]
 
 @dataclass(frozen=True, slots=True)
 class KindCounters:
-    events: int
-    transitions: int
+    """What one kind's instances did: events ignored by declaration, peer events rejected,
+    local errors, and instances created, retired and live."""
+
     ignored: int
     rejected: int
     errors: int
@@ -101,10 +102,10 @@ class EventBus(TimerQueues):
         if decl in self._machines or decl.name in self._by_name:
             raise LocalProtocolError(f"machine {decl.name!r} is already registered")
         machine = CompiledMachine(decl, config)
-        machine.set_fast_path(self._recorder is None)
         for node in machine.nodes.values():
             if node.timeout_seconds is not None:
                 node.timer_queue = self._timer_queue(node.timeout_seconds)
+        machine.set_fast_path(self._recorder is None)
         self._machines[decl] = machine
         self._by_name[decl.name] = machine
         self._index[decl] = machine.index
@@ -209,14 +210,13 @@ class EventBus(TimerQueues):
         # purpose; `_step` is the general form of the same change.
         # A timer entry is live while its instance still holds it: replacing `inst.timer`
         # cancels the old one.
-        route.count += 1
-        dest: Node = route.dest  # type: ignore[assignment]  # plain routes have a dest
-        inst.node = dest
-        queue = dest.timer_queue
+        route.taken = True
+        inst.node = route.dest  # type: ignore[assignment]  # plain routes have a dest
+        queue = route.queue
         if queue is None:
             inst.timer = None
         else:
-            deadline = self._now + dest.timeout_seconds  # type: ignore[operator]
+            deadline = self._now + route.seconds  # type: ignore[operator]
             inst.timer = entry = (deadline, inst)
             queue.append(entry)
             if deadline < self._next_due:
@@ -255,7 +255,7 @@ class EventBus(TimerQueues):
             return
         if route.alternatives:
             route = self._choose(inst, route, event)
-        route.count += 1
+        route.taken = True
         dest = route.dest
         if dest is not None:
             inst.node = dest
@@ -447,10 +447,7 @@ class EventBus(TimerQueues):
 
     def counters(self, kind: Declaration[Any]) -> KindCounters:
         m = self.machine(kind)
-        transitions = m.transition_count
         return KindCounters(
-            events=transitions + m.ignored_count + m.rejected_count + m.error_count,
-            transitions=transitions,
             ignored=m.ignored_count,
             rejected=m.rejected_count,
             errors=m.error_count,
