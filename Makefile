@@ -4,7 +4,14 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 DEPS_STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams
+.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier
+
+# The vLLM test tier runs in its own environment: vLLM 0.33.0 installed slim (the CPU torch,
+# vllm itself without its dependencies, then its pure-Python dependencies pinned in
+# tests_vllm/requirements.txt), plus kvhandoff. Rebuilt only when the pins change.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.deps-stamp
 
 $(DEPS_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,6 +20,24 @@ $(DEPS_STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=strict
 	touch $(DEPS_STAMP)
+
+$(VLLM_STAMP): tests_vllm/requirements.txt
+	rm -rf $(VLLM_VENV)
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip setuptools
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM_PY) -m pip install -q --no-deps -r tests_vllm/requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps pytest==9.2.0 pytest-timeout==2.4.0 iniconfig==2.3.1 pluggy==1.7.0
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+
+# vLLM's real Scheduler and worker-side connector lifecycle around kvhandoff (and stock vLLM
+# peers for interop), each engine part in its own process.
+vllm-tier: vllm-env
+	$(VLLM_PY) -m pytest -q -rs -o pythonpath=tests_vllm tests_vllm
 
 # Strict editable installs link each file; re-link so newly added modules are seen.
 install: $(DEPS_STAMP)
@@ -34,7 +59,7 @@ specs-check: install
 unit: install
 	$(BIN)/pytest -q -rs
 
-test: lint typecheck specs-check unit
+test: lint typecheck specs-check docs unit vllm-tier
 
 # Coverage-guided fuzzing of every decoder (atheris), 1,000,000 inputs; not part of CI.
 fuzz: install
@@ -43,3 +68,28 @@ fuzz: install
 
 diagrams: install
 	$(BIN)/kvhandoff diagrams
+
+# Render every diagram of specs/ to SVG with a real renderer (mermaid-cli on Debian's
+# chromium, offline): a diagram that does not render, renders wider than a page allows or
+# draws a timeout's label twice fails the build. node_modules is cached in .cache/mermaid
+# (keyed by the lock file); the SVGs land in build/docs, and the ones the README shows are
+# refreshed in specs/svg when their diagram changed.
+MERMAID := tools/mermaid
+MERMAID_CACHE := .cache/mermaid
+DOCS_OUT := build/docs
+
+$(MERMAID_CACHE)/.stamp: $(MERMAID)/package.json $(MERMAID)/package-lock.json
+	mkdir -p $(MERMAID_CACHE)
+	cp $(MERMAID)/package.json $(MERMAID)/package-lock.json $(MERMAID_CACHE)/
+	cd $(MERMAID_CACHE) && PUPPETEER_SKIP_DOWNLOAD=1 npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+	touch $@
+
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q chromium fonts-liberation fonts-dejavu-core; }
+
+docs: install chromium $(MERMAID_CACHE)/.stamp
+	rm -rf $(DOCS_OUT) && mkdir -p $(DOCS_OUT)
+	cp $(MERMAID)/render.mjs $(MERMAID_CACHE)/render.mjs
+	node $(MERMAID_CACHE)/render.mjs $(MERMAID)/puppeteer-config.json $(DOCS_OUT) specs/*.md
+	$(BIN)/kvhandoff diagrams --svg $(DOCS_OUT)

@@ -100,6 +100,8 @@ class CpuCopyEngine:
             self.num_blocks, block_size_bytes
         )
         self._words: dict[torch.dtype, torch.Tensor] = {}
+        # The device stand-in's end events not reported yet (a CUDA stream's recorded
+        # events); each batch's lifecycle is its `ec.copy_batch`.
         self._pending: list[_Landed] = []
         self.failed_batches = 0
 

@@ -89,6 +89,7 @@ class FaultyECSide(ECSide):
     def issue_read(self, inst: Instance[Any] | None, effect: IssueRead) -> None:
         if self.faults.roll("read_fail"):
             # As when NIXL refuses the post: reported at the next poll (R-E08).
-            self._read_failures.append((effect.mm_hash, effect.transfer_id))
+            if self.reader is not None:
+                self.reader.refused(effect)
             return
         super().issue_read(inst, effect)

@@ -16,6 +16,12 @@ instance (one DP rank, the TP rank 0 worker) to real parts and executes their ef
 - consumer roles: one ZMQ DEALER per producer peer and NIXL READs into our region; see
   `ec_side_consumer.ConsumerEdges` (R-E07, R-E11, B-08).
 
+With `tp_size` x `pcp_size` > 1 (`local_worker=False`) this side is the scheduler's
+process only: each worker rank is an `ECWorkerSide` (`ec_worker_side.py`) in its own
+process, attached to this side's region; the engine carries `build_connector_meta()` down
+and the ranks' `ECWorkerMeta` back to `update_connector_output()` (R-T01, R-T02). The
+scheduler-side calls carry vLLM 0.33's `ECConnectorBase` names (`ec_side_engine.py`).
+
 Single-threaded: the engine's thread calls `poll()` and `engine_step()`; nothing here
 runs on a thread of its own (NIXL's progress thread aside, or none: see
 `nixl_progress_thread`). Each of those reads the injected `clock` once and passes `now`
@@ -27,6 +33,7 @@ and logged at WARNING, rate-limited.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -38,6 +45,7 @@ from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine
 from kvhandoff.adapters.ec_copy_engine import CopyEngine
 from kvhandoff.adapters.ec_side_consumer import ConsumerEdges, ReadOutcome
+from kvhandoff.adapters.ec_side_engine import EngineCalls
 from kvhandoff.adapters.ec_side_producer import ProducerEdges
 from kvhandoff.adapters.nixl.agent import NixlAgent, NixlTransferError
 from kvhandoff.adapters.nixl.ec_reader import ECNixlReader
@@ -48,11 +56,13 @@ from kvhandoff.adapters.shm.region import (
     reap_stale_regions,
     region_name,
 )
+from kvhandoff.adapters.trace import TraceConfig, open_trace, trace_settings
 from kvhandoff.adapters.zmq.control import ControlClient, ControlServer, Heartbeat
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
-from kvhandoff.machines.ec.consumer_read import IssueRead, SendXferDone, SendXferReq
+from kvhandoff.machines.ec.consumer_read import IssueRead, ReleaseRead, SendXferDone, SendXferReq
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
 from kvhandoff.machines.ec.meta import ECFinished
+from kvhandoff.machines.ec.nixl_gate import require_nixl
 from kvhandoff.machines.ec.producer_grant import SendXferAck
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.ec.worker import ECWorker
@@ -86,11 +96,11 @@ _SIDE_CHANNEL_ENV = (
 )
 
 
-class ECSide(ProducerEdges, ConsumerEdges):
+class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
     """The P2P encoder-cache tier of one instance over real NIXL, ZMQ and `/dev/shm`."""
 
     scheduler: ECScheduler
-    worker: ECWorker
+    worker: ECWorker | None
 
     def __init__(
         self,
@@ -111,28 +121,47 @@ class ECSide(ProducerEdges, ConsumerEdges):
         encoder_cache: MutableMapping[str, torch.Tensor] | None = None,
         zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None,
         nixl_progress_thread: bool = False,
+        trace: TraceConfig | None = None,
+        tp_size: int = 1,
+        pcp_size: int = 1,
+        local_worker: bool = True,
     ) -> None:
         """`listen` overrides where a producer binds (else the side-channel environment,
         else `localhost:5601`); `advertise_host` is the host published to consumers (the
         bind host by default). `instance_id` names the region (default `engine_id`).
         `nixl_progress_thread` (off by default, as for push) starts NIXL's own progress
         thread, which spins a core; without it `poll()` progresses the agent, so a READ
-        from this producer completes within one of its engine steps."""
+        from this producer completes within one of its engine steps.
+        `tp_size` x `pcp_size` worker ranks report each load (R-T02). With `local_worker`
+        (one rank only) this side also runs the TP 0 worker and `engine_step()`; without,
+        the ranks are `ECWorkerSide`s in their own processes, attached to this side's
+        region, stepped by the engine through `build_connector_meta` /
+        `update_connector_output` (R-T01)."""
         self.config = config
+        env = dict(os.environ) if env is None else env  # VLLM_EC_SIDE_CHANNEL_HOST / _PORT
         self.extra = config.extra_config(env)
         if not self.extra.ec_enable_nixl:
             raise LocalProtocolError(
                 "ECSide is the P2P tier: set ec_enable_nixl in ec_connector_extra_config "
                 "(the local tier needs only ECScheduler, ECWorker and a copy engine)"
             )
+        require_nixl()  # the seed's RuntimeError, before anything touches /dev/shm (R-E02)
         self.layout = layout
         self.compat_hash = compat_hash
         self.clock = clock
         self.encoder_cache: MutableMapping[str, torch.Tensor] = (
             {} if encoder_cache is None else encoder_cache
         )
+        if local_worker and tp_size * pcp_size != 1:
+            raise LocalProtocolError(
+                "a local worker is one rank: with tp_size x pcp_size > 1 run each rank as an "
+                "ECWorkerSide (local_worker=False)"
+            )
+        self.tp_size, self.pcp_size, self.local_worker = tp_size, pcp_size, local_worker
         self._zmq = zmq_context
         self._progress_thread = nixl_progress_thread
+        # The transition trace (off unless `trace` or KVHANDOFF_TRACE names a target).
+        self.trace = open_trace(trace_settings(trace, clock), instance_id or config.engine_id)
         self.heartbeat = Heartbeat(
             interval_ms=round(self.extra.zmq_heartbeat_interval_s * 1000),
             timeout_ms=round(self.extra.zmq_heartbeat_timeout_s * 1000),
@@ -144,6 +173,7 @@ class ECSide(ProducerEdges, ConsumerEdges):
         self.acks_undelivered = 0
         self.ack_observers: list[Callable[[XferAck], None]] = []
         self.eviction_observers: list[Callable[[EncodingEvicted], None]] = []
+        # A bounded record of how retired reads ended, for reports (no lifecycle).
         self.read_outcomes: OrderedDict[str, ReadOutcome] = OrderedDict()
         self.reaped: list[str] = []
         # Edges, created below; `close()` copes with any of them missing.
@@ -153,16 +183,18 @@ class ECSide(ProducerEdges, ConsumerEdges):
         self.agent: NixlAgent | None = None
         self.server: ControlServer | None = None
         self.reader: ECNixlReader | None = None
+        # A socket cache by producer address (opened on first send, dropped when it loses
+        # its peer); the producer's lifecycle is `ec.consumer_read`'s and `ec.producer_agent`'s.
         self._clients: dict[tuple[str, int], ControlClient] = {}
-        self._read_failures: list[tuple[str, str]] = []
-        self._copy_failures: list[int] = []
+        # An inbox: consumers an XferAck could not reach (seen inside an effect handler),
+        # told to the scheduler at the next poll.
         self._gone_consumers: list[bytes] = []
         self._closed = False
         self.publish_host = ""
         self.publish_port = 0
         try:
             self._start(
-                env or {},
+                env,
                 listen,
                 advertise_host,
                 instance_id or config.engine_id,
@@ -204,7 +236,11 @@ class ECSide(ProducerEdges, ConsumerEdges):
         self.agent.register_dram(self.region.addr, self.region.size)
         if config.is_consumer:
             self.reader = ECNixlReader(
-                self.agent, self.region.addr, layout.block_size_bytes, layout.num_blocks
+                self.agent,
+                self.region.addr,
+                layout.block_size_bytes,
+                layout.num_blocks,
+                clock=self.clock,
             )
         sched_env = dict(env)
         if config.is_producer:
@@ -222,9 +258,20 @@ class ECSide(ProducerEdges, ConsumerEdges):
             compat_hash=self.compat_hash,
             env=sched_env,
             machine_config=machine_config,
+            tp_size=self.tp_size,
+            pcp_size=self.pcp_size,
         )
-        self.worker = ECWorker(config, layout, env=sched_env)
-        self.worker.register_caches(self.region.addr, self.region.size, self.clock())
+        worker = None
+        if self.local_worker:
+            worker = ECWorker(config, layout, env=sched_env)  # TP 0 / PCP 0: the writer
+        self.worker = worker
+        role = config.ec_role or ""
+        if self.trace is not None:
+            self.trace.attach(self.scheduler.bus, proc=instance_id, role=role, bus_name="scheduler")
+        if worker is not None:
+            if self.trace is not None:
+                self.trace.attach(worker.bus, proc=instance_id, role=role, bus_name="worker")
+            worker.register_region(self.region.addr, self.region.size, self.clock())
         if config.is_producer:
             self.scheduler.register_nixl_agent(
                 self.agent.name, self.agent.metadata(), self.region.addr
@@ -234,10 +281,12 @@ class ECSide(ProducerEdges, ConsumerEdges):
         bus.handle(SendXferReq, self.send_xfer_req)
         bus.handle(SendXferDone, self.send_xfer_done)
         bus.handle(IssueRead, self.issue_read)
+        bus.handle(ReleaseRead, self.release_read)
         bus.handle(EncodingEvicted, self._evicted)
         bus.on_retire(self._retired)
-        self.worker.bus.handle(CopyBlocks, self._copy)
-        self.worker.bus.handle(CloseRegion, self._close_region)
+        if worker is not None:
+            worker.bus.handle(CopyBlocks, self._copy)
+            worker.bus.handle(CloseRegion, self._close_region)
 
     @property
     def rejected(self) -> int:
@@ -249,9 +298,12 @@ class ECSide(ProducerEdges, ConsumerEdges):
     def poll(self) -> int:
         """Deliver what the edges saw: control messages, READ and copy completions, due
         timeouts. Never blocks; returns how many things it handled."""
-        if self._closed:
-            return 0
+        self._open("poll")
         return self._poll(self.clock())
+
+    def _open(self, call: str) -> None:
+        if self._closed:
+            raise LocalProtocolError(f"ECSide.{call}: the side was closed")
 
     def _poll(self, now: float) -> int:
         self._progress()
@@ -273,16 +325,22 @@ class ECSide(ProducerEdges, ConsumerEdges):
         """One engine step of the connector: the scheduler's meta to the worker, loads and
         saves submitted (encoder outputs must be in `encoder_cache`), landed copies
         reported back to the scheduler. Returns what landed since the last step."""
+        self._open("engine_step")
         now = self.clock()
         worker = self.worker
-        if not self._closed:
-            self._poll(now)
+        if worker is None:
+            raise LocalProtocolError(
+                "ECSide.engine_step: the worker ranks run as ECWorkerSides; step them with "
+                "build_connector_meta and update_connector_output"
+            )
+        self._poll(now)
         meta = self.scheduler.build_connector_meta(now)
-        worker.start_load_caches(meta, now)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_caches(now)
         worker.save_caches(now)
         self._poll_copies(now)
         self.scheduler.update_connector_output(worker.build_connector_worker_meta(now), now)
-        return worker.get_finished()
+        return worker.take_landed()
 
     # -- worker edges --------------------------------------------------------------------
 
@@ -294,14 +352,14 @@ class ECSide(ProducerEdges, ConsumerEdges):
             engine.submit(effect.batch_id, effect.direction, effect.items, self.encoder_cache)
         except Exception as exc:  # an engine that raises fails its batch, never the step
             log.warning("%s batch %s not submitted: %s", effect.direction, effect.batch_id, exc)
-            self._copy_failures.append(effect.batch_id)
+            if self.worker is not None:
+                self.worker.on_copy_refused(effect.batch_id)  # failed at the next poll
 
     def _poll_copies(self, now: float) -> int:
         worker = self.worker
-        handled = 0
-        while self._copy_failures:
-            worker.on_copy_done(self._copy_failures.pop(0), now, ok=False)
-            handled += 1
+        if worker is None:
+            return 0
+        handled = worker.fail_refused(now)
         if self.copy_engine is not None:
             for batch_id, ok in self.copy_engine.poll():
                 worker.on_copy_done(batch_id, now, ok=ok)
@@ -370,11 +428,16 @@ class ECSide(ProducerEdges, ConsumerEdges):
             self.server.close()
         if self.agent is not None:
             self.agent.close()  # deregisters the region before it is unmapped
-        worker: ECWorker | None = getattr(self, "worker", None)
+        scheduler: ECScheduler | None = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.shutdown()  # nothing is reported cached any more
+        worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown(self.clock())  # CloseRegion: unmap, and unlink as the owner
         elif self.region is not None:
             self._close_region(None, CloseRegion(unlink=True))
+        if self.trace is not None:
+            self.trace.flush()
 
     def __enter__(self) -> ECSide:
         return self

@@ -6,7 +6,9 @@ the next request opens a fresh one). `IssueRead` goes to an `ECNixlReader`: a NI
 of the producer's registered region into ours, with the producer agent metadata the
 `XferAck` carried loaded first when the agent is new or changed, so a restarted producer
 is read without another handshake (R-E11). Polling the READs reports `on_read_done` or
-`on_read_failed`; an agent whose peer went away is forgotten once no READ uses it (B-08).
+`on_read_failed` once the READ's handle is released; a quarantined READ whose time is up
+is released on `ReleaseRead` before its destination is freed (R-E12). An agent whose peer
+went away is forgotten once no READ uses it (B-08).
 
 Bad bytes from a producer never raise out of a poll: they go to the side's
 `RejectionLog`, counted per peer.
@@ -26,6 +28,7 @@ from kvhandoff.adapters.zmq.control import ControlClient, Heartbeat
 from kvhandoff.machines.ec.consumer_read import (
     EC_CONSUMER_READ,
     IssueRead,
+    ReleaseRead,
     SendXferDone,
     SendXferReq,
 )
@@ -64,7 +67,6 @@ class ConsumerEdges:
     read_outcomes: OrderedDict[str, ReadOutcome]
     _zmq: zmq.Context[zmq.Socket[bytes]] | None
     _clients: dict[tuple[str, int], ControlClient]
-    _read_failures: list[tuple[str, str]]
 
     # -- control plane -------------------------------------------------------------------
 
@@ -127,9 +129,15 @@ class ConsumerEdges:
             if self.reader is None:
                 raise LocalProtocolError("this side cannot READ (not a consumer, or closed)")
             self.reader.read(effect)
-        except KvHandoffError as exc:
+        except KvHandoffError as exc:  # the reader reports it failed at the next poll
             log.warning("READ of %s failed to post: %s", effect.mm_hash, exc)
-            self._read_failures.append((effect.mm_hash, effect.transfer_id))
+
+    def release_read(self, inst: Instance[Any] | None, effect: ReleaseRead) -> None:
+        """Executor of `ReleaseRead`: a quarantine ended; release the READ's handle (NIXL
+        cancels the DMA), and only then tell the read, which frees its destination."""
+        if self.reader is not None:
+            self.reader.release(effect.transfer_id)
+        self.scheduler.on_read_released(effect.mm_hash, self.scheduler.bus.now)
 
     def _awaited(self, mm_hash: str, transfer_id: str) -> bool:
         consumer = self.scheduler.consumer
@@ -137,11 +145,10 @@ class ConsumerEdges:
         return read is not None and read.ctx.transfer_id == transfer_id
 
     def _poll_reads(self, now: float) -> int:
-        failures, self._read_failures = self._read_failures, []
-        completions = [(mm_hash, transfer_id, False) for mm_hash, transfer_id in failures]
-        if self.reader is not None:
-            self.scheduler.poll(now)  # `_awaited` asks about reads as of now
-            completions += self.reader.poll(self._awaited)
+        if self.reader is None:
+            return 0
+        self.scheduler.poll(now)  # `_awaited` asks about reads as of now
+        completions = self.reader.poll(self._awaited)
         for mm_hash, transfer_id, ok in completions:
             if ok:
                 self.scheduler.on_read_done(mm_hash, transfer_id, now)

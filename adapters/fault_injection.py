@@ -22,6 +22,7 @@ from kvhandoff.adapters.nixl.agent import NixlTransferError
 from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_transport import TransferHandle
 from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 
 class ProbabilityPlan:
@@ -91,22 +92,34 @@ def faulty_transport_factory(plan: FaultPlan, seed: int) -> Any:
                 raise NixlTransferError("handshake", "injected handshake failure")
             return super().fetch_handshake(host, port, timeout_s)
 
-        def send_notif(self, engine_id: str, message: bytes) -> None:
+        def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
             if dice.roll("notif_drop", plan.notif_drop):
                 return
-            super().send_notif(engine_id, message)
+            super().send_notif(engine_id, rank, message)
 
         def write_blocks(
             self,
             engine_id: str,
+            rank: int,
             local_block_ids: Sequence[int],
             remote_block_ids: Sequence[int],
             notif: bytes,
+            *,
+            local_chunk: Chunk = WHOLE,
+            remote_chunk: Chunk = WHOLE,
         ) -> TransferHandle:
             if dice.roll("write_fail", plan.write_fail):
                 raise NixlTransferError("write", "injected post failure")
             if dice.roll("notif_drop", plan.notif_drop):
                 notif = b""
-            return super().write_blocks(engine_id, local_block_ids, remote_block_ids, notif)
+            return super().write_blocks(
+                engine_id,
+                rank,
+                local_block_ids,
+                remote_block_ids,
+                notif,
+                local_chunk=local_chunk,
+                remote_chunk=remote_chunk,
+            )
 
     return FaultyNixlPushTransport

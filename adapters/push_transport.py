@@ -1,38 +1,68 @@
-"""The transport interface the push edges are written against: one interface, two
-implementations — the real NIXL agent plus ZMQ side channel (`nixl_push_transport`) and
-the in-memory fabric for deterministic simulation (`sim_fabric`).
+"""The transport interface one worker rank's push edges are written against: one
+interface, two implementations — the real NIXL agent (`nixl/push_transport.py`) and the
+in-memory fabric of the simulator (`kvhandoff.sim.push.transport`). One conformance suite
+runs against both.
 
-Peers are named by engine id. `connect` runs on the handshake executor; everything else
-on the writer thread, except `send_notif` for heartbeats (main thread) and `poll` /
-`release` (main thread, in get_finished), as the seed prescribes.
+A transport is one rank's NIXL agent over that rank's KV regions. A remote engine is
+named by its engine id and its ranks by their global rank (``pp_rank * tp_size +
+tp_rank``): `connect` loads the agents of every rank of a remote engine (from the
+`EngineHandshake` its side channel served) and prepares descriptors for the ranks this
+rank moves data with, each cut into the chunks the TP mapping asks for (R-T03).
+`connect` runs on the handshake executor; everything else on the writer thread, except
+`send_notif` for heartbeats and `poll` / `release` (main thread), as the seed prescribes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvhandoff.protocol.handshake import HandshakePayload
+from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
+from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 XferState = Literal["DONE", "PROC", "ERR"]
 
 
 def peer_gone(exc: BaseException) -> bool:
-    """Whether a transport error says the peer itself is gone (its agent must be forgotten
-    and re-handshaked, B-08), as opposed to a failure of one operation."""
+    """Whether a transport error says the peer itself is gone (its agents must be
+    forgotten and re-handshaked, B-08), as opposed to a failure of one operation."""
     return bool(getattr(exc, "peer_gone", False))
 
 
 @dataclass(frozen=True, slots=True)
-class PeerInfo:
+class RankInfo:
+    """What a handshake taught us about one rank of a remote engine."""
+
+    rank: int
+    agent_name: str
+    physical_blocks_per_logical: int
+    capacity: int
+    """The smallest block count of the regions routed to it (0: notifs only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
     """What a completed handshake taught us about a remote engine."""
 
     engine_id: str
-    agent_name: str
     tp_size: int
-    physical_blocks_per_logical: int
-    capacity: int  # the smallest block count of the peer's routed regions
+    pp_size: int
+    extensions: frozenset[str]
+    ranks: tuple[RankInfo, ...]
+
+    def agent(self, rank: int) -> str:
+        return self.ranks[rank].agent_name
+
+    def rank_of(self, agent_name: str) -> int | None:
+        for info in self.ranks:
+            if info.agent_name == agent_name:
+                return info.rank
+        return None
+
+
+Routes = Mapping[int, tuple[int, int]]
+"""Remote rank -> (chunks per local block, chunks per remote block) for data transfers."""
 
 
 class TransferHandle(Protocol):
@@ -42,25 +72,39 @@ class TransferHandle(Protocol):
 class PushTransport(Protocol):
     engine_id: str
 
+    @property
+    def agent_name(self) -> str:
+        """This rank's NIXL agent name (what peers see as the sender of its notifs)."""
+        ...
+
     def handshake_payload(self) -> HandshakePayload:
-        """What this engine serves on its side channel."""
+        """What this rank tells peers about itself (served by the engine's side channel)."""
+        ...
+
+    def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
+        """The kvhandoff extensions and cluster key id this rank's payload carries."""
         ...
 
     def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
-        """The peer's encoded handshake payload (runs on the handshake executor)."""
+        """A remote engine's encoded `EngineHandshake` (runs on the handshake executor)."""
         ...
 
-    def connect(self, payload: HandshakePayload) -> PeerInfo:
-        """Check compatibility, load the peer's agent, prepare its descriptors (executor)."""
+    def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
+        """Check compatibility, load every rank's agent and prepare descriptors for the
+        ranks in `routes` (executor)."""
         ...
 
     def forget(self, engine_id: str) -> None:
-        """Drop a peer's agent and descriptors; the next use re-handshakes (B-08)."""
+        """Drop a remote engine's agents and descriptors; the next use re-handshakes."""
         ...
 
-    def peer(self, engine_id: str) -> PeerInfo | None: ...
+    def engine(self, engine_id: str) -> EngineInfo | None: ...
 
-    def send_notif(self, engine_id: str, message: bytes) -> None: ...
+    def identify(self, agent_name: str) -> tuple[str, int] | None:
+        """(engine id, rank) of a loaded agent, or None for an agent of no known engine."""
+        ...
+
+    def send_notif(self, engine_id: str, rank: int, message: bytes) -> None: ...
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         """(sender agent name, message) pairs that arrived since the last call."""
@@ -69,22 +113,28 @@ class PushTransport(Protocol):
     def write_blocks(
         self,
         engine_id: str,
+        rank: int,
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
-        """WRITE local physical blocks into the peer's, in every routed region."""
+        """WRITE `local_chunk` of local physical blocks into `remote_chunk` of the remote
+        rank's, in every routed region."""
         ...
 
     def read_blocks(
         self,
         engine_id: str,
+        rank: int,
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
     ) -> TransferHandle:
-        """READ the peer's physical blocks into local ones, in every routed region (pull mode,
-        B-09); `notif` reaches the peer when the READ is done."""
+        """READ the remote rank's physical blocks into local ones, in every routed region
+        (pull mode, B-09); `notif` reaches the peer when the READ is done."""
         ...
 
     def poll(self, handle: TransferHandle) -> XferState: ...

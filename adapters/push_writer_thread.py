@@ -1,8 +1,9 @@
-"""The `kvhandoff-push-writer` thread: one per worker, the sole owner of push NIXL calls.
+"""The `kvhandoff-push-writer` thread: one per worker rank, the sole owner of its push
+NIXL calls.
 
-It blocks on the side's wake event when idle; while P finished blocks wait for an
+It blocks on the rank's wake event when idle; while P finished blocks wait for an
 unmatched `PUSH_REG` it self-polls every `push_writer_poll_interval_ms` (R-P07). Each
-wake-up runs one `PushSide.writer_pass`. An exception in a pass is logged and the loop
+wake-up runs one `PushRank.writer_pass`. An exception in a pass is logged and the loop
 goes on: untrusted input never kills the thread. Handshakes run on a small executor
 whose callbacks only post results and wake the writer (R-P05).
 """
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvhandoff.adapters.push_side import PushSide
+from kvhandoff.adapters.push_rank import PushRank
 
 log = logging.getLogger("kvhandoff.push.writer_thread")
 
@@ -42,26 +43,28 @@ class HandshakeExecutor:
 
 
 class PushWriterThread:
-    def __init__(self, side: PushSide, idle_timeout_s: float = 1.0) -> None:
-        self.side = side
+    def __init__(self, rank: PushRank, idle_timeout_s: float = 1.0) -> None:
+        self.rank = rank
         self.idle_timeout_s = idle_timeout_s
         self.passes = 0
         self.errors = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{THREAD_NAME}-{rank.rank}", daemon=True
+        )
 
     def start(self) -> PushWriterThread:
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        side = self.side
+        rank = self.rank
         while not self._stop.is_set():
-            interval = side.self_poll_interval_s
-            side.wake.wait(self.idle_timeout_s if interval is None else interval)
-            side.wake.clear()
+            interval = rank.self_poll_interval_s
+            rank.wake.wait(self.idle_timeout_s if interval is None else interval)
+            rank.wake.clear()
             try:
-                side.writer_pass()
+                rank.writer_pass()
             except Exception:
                 self.errors += 1
                 log.exception("writer pass failed; the writer keeps running")
@@ -69,7 +72,7 @@ class PushWriterThread:
 
     def stop(self) -> None:
         self._stop.set()
-        self.side.wake.set()
+        self.rank.wake.set()
         self._thread.join(timeout=10.0)
 
     @property

@@ -175,7 +175,7 @@ def bytes_per_instance(count: int = 100_000) -> float:
 
 
 def run_dispatch_bench(
-    progress: Callable[[str], None] = lambda _: None, quick: bool = False
+    progress: Callable[[str], None] = lambda _: None, quick: bool = False, trace: str = ""
 ) -> dict[str, Any]:
     repeats = 3 if quick else 7
     scale = 10 if quick else 1
@@ -187,6 +187,12 @@ def run_dispatch_bench(
     transitions_run = _transitions_pass(2_000, 10 // scale or 1)
     best = {"handwritten": float("inf"), "kvhandoff": float("inf"), "1000": float("inf")}
     best |= {"100000": float("inf"), "transitions": float("inf")}
+    traced = None
+    if trace:  # the same runner with the transition trace on (reported, not asserted)
+        from kvhandoff.bench.dispatch_trace import traced_pass
+
+        writer, traced = traced_pass(_kvhandoff_pass, trace, 2_000, 10 // scale or 1)
+        best["traced"] = float("inf")
     # Interleaved rounds: drift on a noisy machine hits every runner alike; best of each.
     for round_ in range(repeats):
         progress(f"round {round_ + 1}/{repeats} ...")
@@ -196,6 +202,8 @@ def run_dispatch_bench(
         best["100000"] = min(best["100000"], _best_of(1, large))
         if round_ < max(1, repeats // 2):
             best["transitions"] = min(best["transitions"], _best_of(1, transitions_run))
+        if traced is not None:
+            best["traced"] = min(best["traced"], _best_of(1, traced))
     progress("bytes per live instance ...")
     per_instance = bytes_per_instance(10_000 if quick else 100_000)
     kvhandoff, handwritten, transitions = (
@@ -203,7 +211,7 @@ def run_dispatch_bench(
         best["handwritten"],
         best["transitions"],
     )
-    return {
+    result: dict[str, Any] = {
         "per_event_ns": {
             "kvhandoff": round(kvhandoff, 1),
             "transitions": round(transitions, 1),
@@ -217,3 +225,8 @@ def run_dispatch_bench(
             "at_100000_over_1000": round(best["100000"] / best["1000"], 2),
         },
     }
+    if traced is not None:
+        writer.close()
+        result["per_event_ns"]["kvhandoff_traced"] = round(best["traced"], 1)
+        result["ratios"]["traced_over_untraced"] = round(best["traced"] / kvhandoff, 2)
+    return result

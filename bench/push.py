@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvhandoff.bench.push_kv import QUICK, Device, KVLayout, PushBenchConfig
+from kvhandoff.bench.push_kv import QUICK, Device, KVLayout, PushBenchConfig, TransportPath
 from kvhandoff.demo.launcher import RoleProcess, _pump_events, _pump_stderr, stop_all
 
 __all__ = ["QUICK", "Device", "KVLayout", "PushBenchConfig", "config_for", "run_push_bench"]
@@ -99,6 +99,8 @@ class _Samples:
     seconds: dict[str, list[float]] = field(default_factory=dict)
     verified: dict[str, list[bool]] = field(default_factory=dict)
     phases_ms: list[dict[str, float | None]] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def add(self, what: str, seconds: float, ok: bool, timed: bool) -> None:
@@ -123,7 +125,7 @@ def _phases(pushed: dict[str, Any], received: dict[str, Any]) -> dict[str, float
 
 
 def _framework_rep(
-    p: _Child, d: _Child, rep: int, timeout: float, phases: list[dict[str, float | None]]
+    p: _Child, d: _Child, rep: int, timeout: float, samples: _Samples, timed: bool
 ) -> tuple[float, bool, str]:
     p.send("prepare", rep=rep)
     p.expect("prepared", timeout)
@@ -133,7 +135,15 @@ def _framework_rep(
     pushed = p.expect("pushed", timeout)
     received = d.expect("received", timeout)
     ok = bool(received["verified"]) and pushed["unsent"] == 0
-    phases.append(_phases(pushed, received))
+    samples.phases_ms.append(_phases(pushed, received))
+    if timed:
+        # Per request: P's request_finished -> D's step that reported it finished_recving.
+        for t_fin, t_recv in zip(pushed["t_finished"], received["t_received"], strict=False):
+            if t_recv is not None:
+                samples.latencies_ms.append((t_recv - t_fin) * 1e3)
+    samples.counters = {
+        k: v for k, v in pushed.items() if k.startswith(("ipc_", "nixl_", "failed_"))
+    }
     return received["t_last"] - pushed["t_first"], ok, f"P {pushed}, D {received}"
 
 
@@ -187,7 +197,7 @@ def run_push_bench(
             timed = i >= cfg.warmup
             label = f"rep {i - cfg.warmup + 1}/{cfg.reps}" if timed else "warm-up"
             runs = {
-                "framework": _framework_rep(prefill, decode, i, timeout, samples.phases_ms),
+                "framework": _framework_rep(prefill, decode, i, timeout, samples, timed),
                 "baseline": _baseline_rep(
                     prefill, decode, i, timeout, ready_d["baseline_addr"], nbytes
                 ),
@@ -199,7 +209,12 @@ def run_push_bench(
             for what, (seconds, ok, detail) in runs.items():
                 samples.add(what, seconds, ok, timed)
                 if not ok:
-                    samples.notes.append(f"{what} {label}: {detail}")
+                    tails = [
+                        f"{c.role.name}: {line}"
+                        for c in children
+                        for line in c.role.stderr_tail[-40:]
+                    ]
+                    samples.notes.append(f"{what} {label}: {detail}\n" + "\n".join(tails))
                 flag = "" if ok else " (NOT VERIFIED)"
                 line.append(f"{what} {nbytes / seconds / 1e9:.2f} GB/s{flag}")
             progress(f"push {label}: " + ", ".join(line))
@@ -229,6 +244,10 @@ def _result(cfg: PushBenchConfig, samples: _Samples, device: str) -> dict[str, A
         "kv_layout": cfg.kv_layout,
         "descriptors_per_request": cfg.descriptors_per_request,
         "framework_verified": all(samples.verified["framework"]),
+        "transport": cfg.transport,
+        "path": _path(cfg, samples.counters),
+        "latency_ms": _percentiles(samples.latencies_ms),
+        "p_counters": samples.counters,
         "baseline_verified": all(samples.verified["baseline"]),
     }
     for what in ("raw_per_request", "raw_one_write"):
@@ -243,7 +262,32 @@ def _result(cfg: PushBenchConfig, samples: _Samples, device: str) -> dict[str, A
     return result
 
 
-def config_for(device: Device, quick: bool) -> PushBenchConfig:
+def _path(cfg: PushBenchConfig, counters: dict[str, Any]) -> str:
+    """The path the framework's WRITEs took in the last rep (the wrapper falls back)."""
+    if cfg.transport != "cuda_ipc":
+        return "nixl"
+    ipc, nixl = counters.get("ipc_writes", 0), counters.get("nixl_writes", 0)
+    return "cuda_ipc" if ipc and not nixl else ("mixed" if ipc else "nixl (cuda_ipc refused)")
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "n": 0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"p50": at(0.50), "p99": at(0.99), "n": len(ordered)}
+
+
+def config_for(device: Device, quick: bool, transport: str = "auto") -> PushBenchConfig:
     """The CLI's configuration. On CUDA, NIXL's UCX scatter-gather WRITE is switched on: it
-    posts a request's many block descriptors as one batched copy (see bench/RESULTS.md)."""
-    return replace(QUICK if quick else PushBenchConfig(), device=device, ucx_sgl=device == "cuda")
+    posts a request's many block descriptors as one batched copy (see bench/RESULTS.md);
+    `transport="auto"` picks the CUDA IPC wrapper on CUDA (falling back to NIXL) and NIXL
+    on the CPU."""
+    path: TransportPath = "nixl"
+    if transport == "cuda_ipc" or (transport == "auto" and device == "cuda"):
+        path = "cuda_ipc"
+    base = QUICK if quick else PushBenchConfig()
+    return replace(base, device=device, ucx_sgl=device == "cuda", transport=path)

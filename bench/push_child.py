@@ -54,8 +54,10 @@ class BenchPrefill(BenchSide):
         self.posted.clear()
         t_step = 0.0
         t_first = time.monotonic()
+        t_finished: list[float] = []
         while pending and time.monotonic() < deadline:
             for rid, blocks in todo[:per_step]:
+                t_finished.append(time.monotonic())
                 side.request_finished(rid, blocks, {"do_remote_decode": True})
             todo = todo[per_step:]
             output = self.step()
@@ -63,6 +65,10 @@ class BenchPrefill(BenchSide):
             pending -= output.finished_sending
             if pending:
                 self.idle()
+        if pending:  # what every thread was doing when the rep ran out of time
+            import faulthandler
+
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
         emit(
             "pushed",
             rep=rep,
@@ -71,6 +77,7 @@ class BenchPrefill(BenchSide):
             t_step=t_step,
             t_post_first=min(self.posted, default=None),
             t_post_last=max(self.posted, default=None),
+            t_finished=t_finished,
             unsent=len(pending),
             **self.counters(),
         )
@@ -80,8 +87,8 @@ class BenchPrefill(BenchSide):
         self.baseline.copy_(baseline_pattern(nbytes // 8, rep, self.device))
         self.sync()
         if self._baseline_descs is None:
-            mem = self.transport.mem
-            peer = self.transport.peer("bench-decode")
+            mem = self.nixl.mem
+            peer = self.nixl.engine("bench-decode")
             if peer is None:
                 raise RuntimeError("the baseline runs after a framework rep connected P to D")
             local = self.agent.prep_local_blocks(
@@ -89,7 +96,7 @@ class BenchPrefill(BenchSide):
                 mem,  # type: ignore[arg-type]
             )
             remote = self.agent.prep_remote_blocks(
-                peer.agent_name,
+                peer.agent(0),
                 [(remote_addr, nbytes, 1)],
                 mem,  # type: ignore[arg-type]
             )
@@ -113,9 +120,10 @@ class BenchPrefill(BenchSide):
     def raw_go(self, rep: int, per_request: bool) -> None:
         """Diagnostic, no framework: the framework's block descriptors in raw WRITEs, either
         one WRITE per request (each with a notif) or every request's in a single WRITE."""
-        transport = self.transport
-        peer = transport._peer("bench-decode")  # the bench looks inside on purpose
-        local_layout, remote_layout = transport._local.layout, peer.prepped.layout
+        transport = self.nixl
+        peer = transport._data("bench-decode", 0)  # the bench looks inside on purpose
+        local_list = transport._local[1]
+        local_layout, remote_layout = local_list.layout, peer.prepped.layout
         pairs = list(zip(self.kv.blocks, request_blocks(self.cfg, "decode"), strict=True))
         if not per_request:
             pairs = [([b for p, _ in pairs for b in p], [b for _, d in pairs for b in d])]
@@ -128,8 +136,7 @@ class BenchPrefill(BenchSide):
             local_idx = local_layout.indices_for_blocks(local_ids)
             remote_idx = remote_layout.indices_for_blocks(remote_ids, regions=peer.route.regions)
             notif = f"{RAW_NOTIF}{rep}:{q}".encode()
-            local = transport._local
-            handles.append(agent.write(local, local_idx, peer.prepped, remote_idx, notif))
+            handles.append(agent.write(local_list, local_idx, peer.prepped, remote_idx, notif))
         states = set()
         for handle in handles:
             while agent.poll(handle) == "PROC" and time.monotonic() < deadline:
@@ -174,7 +181,7 @@ class BenchDecode(BenchSide):
             side.update_state_after_alloc(rid, blocks, leg["kv_transfer_params"])
             rids.append(rid)
         deadline = self.deadline()
-        bus = side.bus
+        bus = side.ranks[0].bus
         pending = set(rids)
         failed: dict[str, str] = {}
         received_before_armed = 0
@@ -192,10 +199,13 @@ class BenchDecode(BenchSide):
         emit("armed", rep=rep)
         t_last = time.monotonic()
         t_recv_first = None
+        t_received: dict[str, float] = {}
         while pending and time.monotonic() < deadline:
             output = self.step()
             if output.finished_recving or output.failed_recving:
                 t_last = time.monotonic()
+                for rid in output.finished_recving:
+                    t_received.setdefault(rid, t_last)
                 t_recv_first = t_recv_first or t_last
                 pending -= output.finished_recving
                 failed.update(output.failed_recving)
@@ -211,6 +221,7 @@ class BenchDecode(BenchSide):
             t_last=t_last,
             t_recv_first=t_recv_first,
             t_notif_first=self.t_notif_first,
+            t_received=[t_received.get(rid) for rid in rids],
             unresolved=len(pending),
             failed=len(failed),
             early=received_before_armed,

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 Device = Literal["cpu", "cuda"]
 KVLayout = Literal["layer", "cross_layer"]
+TransportPath = Literal["nixl", "cuda_ipc"]
 
 BASELINE_NOTIF = "kvhandoff-bench-baseline:"
 RAW_NOTIF = "kvhandoff-bench-raw:"
@@ -48,6 +49,14 @@ class PushBenchConfig:
     request (`raw_per_request`) and one for all requests (`raw_one_write`)."""
     backend: str = "UCX"
     timeout_s: float = 120.0
+    ipc_launch_every: int = 0
+    """cuda_ipc: queued WRITEs per D rank that launch a kernel from the writer at once
+    (0: all of a writer pass in one launch, at P's next poll)."""
+    ipc_notifier: bool = False
+    """cuda_ipc: send completion notifs from a thread waiting on the kernel's event."""
+    transport: TransportPath = "nixl"
+    """"cuda_ipc": wrap the NIXL transport in `IpcPushTransport` (same-host WRITEs by one
+    CUDA IPC gather-scatter kernel per writer pass, NIXL for the rest and the baseline)."""
 
     @property
     def block_len(self) -> int:
@@ -78,6 +87,10 @@ class PushBenchConfig:
             raise ValueError("layers, requests and reps must be positive, warmup not negative")
         if self.kv_layout not in ("layer", "cross_layer"):
             raise ValueError(f"kv_layout must be layer or cross_layer, got {self.kv_layout!r}")
+        if self.transport not in ("nixl", "cuda_ipc"):
+            raise ValueError(f"transport must be nixl or cuda_ipc, got {self.transport!r}")
+        if self.transport == "cuda_ipc" and self.device != "cuda":
+            raise ValueError("the cuda_ipc transport needs --device cuda")
         if self.blocks_per_request < 1:
             raise ValueError(f"{self.blocks} blocks cannot be shared by {self.requests} requests")
 

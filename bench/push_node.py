@@ -14,10 +14,11 @@ from kvhandoff.bench.push_kv import BenchKV, PushBenchConfig
 from kvhandoff.demo.push_role import MARK
 
 if TYPE_CHECKING:
+    from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport
     from kvhandoff.adapters.nixl.agent import NixlAgent, PreppedBlocks
     from kvhandoff.adapters.push_side import PushSide
     from kvhandoff.adapters.push_writer_thread import PushWriterThread
-    from kvhandoff.machines.push.scheduler import PushConnectorOutput
+    from kvhandoff.machines.push.meta import PushConnectorOutput
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -34,8 +35,9 @@ class BenchSide:
         from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
         from kvhandoff.adapters.push_side import PushSide
         from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
+        from kvhandoff.adapters.zmq.side_channel import SideChannelServer
         from kvhandoff.machines.push.scheduler import LocalEngine
-        from kvhandoff.protocol.handshake import compatibility_hash
+        from kvhandoff.protocol.handshake import compatibility_hash, encode_engine_handshake
         from kvhandoff.protocol.push_config import PushConfig
 
         self.cfg = cfg
@@ -51,7 +53,7 @@ class BenchSide:
             cfg.backend,
             progress_thread=cfg.progress_thread,
         )
-        self.transport = NixlPushTransport(
+        self.nixl = NixlPushTransport(
             self.engine_id,
             self.agent,
             self.kv.regions(),
@@ -62,13 +64,27 @@ class BenchSide:
             mem="VRAM" if cfg.device == "cuda" else "DRAM",
             device_id=0,
         )
+        self.transport: NixlPushTransport | IpcPushTransport = self.nixl
+        if cfg.transport == "cuda_ipc":
+            from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport
+
+            self.transport = IpcPushTransport(
+                self.nixl,
+                device=0,
+                export=role == "decode",
+                launch_every=cfg.ipc_launch_every,
+                notifier=cfg.ipc_notifier,
+            )
         # The baseline buffers are registered before the side channel serves this agent's
         # metadata, so the peer loads them with the first handshake.
         words = cfg.pushed_bytes // 8
         self.baseline = torch.empty(words, dtype=torch.int64, device=self.device)
         self.agent.register_tensor(self.baseline)
-        self.server = self.transport.serve("127.0.0.1", 0)
         self.executor = HandshakeExecutor()
+        sides: list[PushSide] = []
+        self.server = SideChannelServer(
+            "127.0.0.1", 0, lambda: encode_engine_handshake(sides[0].handshake())
+        )
         self.local_engine = LocalEngine(self.engine_id, "127.0.0.1", self.server.port)
         self.side: PushSide = PushSide(
             role,  # type: ignore[arg-type]
@@ -77,8 +93,9 @@ class BenchSide:
             self.executor.submit,
             config=PushConfig(nixl_backend=cfg.backend),
         )
+        sides.append(self.side)
         self._writer_type = PushWriterThread
-        self.writer: PushWriterThread | None = PushWriterThread(self.side).start()
+        self.writer: PushWriterThread | None = PushWriterThread(self.side.ranks[0]).start()
         self.suffix = secrets.token_hex(4)
         self._baseline_descs: tuple[PreppedBlocks, PreppedBlocks] | None = None
 
@@ -107,7 +124,7 @@ class BenchSide:
 
     def start_writer(self) -> None:
         if self.writer is None:
-            self.writer = self._writer_type(self.side).start()
+            self.writer = self._writer_type(self.side.ranks[0]).start()
 
     def close(self) -> None:
         self.stop_writer()
@@ -115,13 +132,22 @@ class BenchSide:
         self.server.close()
         self.agent.close()
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
         errors = 0 if self.writer is None else self.writer.errors
-        return {
-            "rejected_notifs": self.side.writer.rejected_notifs + self.side.worker.rejected_notifs,
+        counters: dict[str, Any] = {
+            "rejected_notifs": self.side.rejected_notifs(),
             "failed_transfers": self.side.failed_transfers,
             "writer_errors": errors,
         }
+        stats = getattr(self.transport, "stats", None)
+        if stats is not None:
+            counters.update(
+                ipc_writes=stats.ipc_writes,
+                nixl_writes=stats.nixl_writes,
+                ipc_launches=stats.launches,
+                ipc_refused=dict(stats.refused_peers),
+            )
+        return counters
 
     def deadline(self) -> float:
         return time.monotonic() + self.cfg.timeout_s

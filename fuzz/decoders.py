@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import sys
 from collections.abc import Callable
 
 import atheris
 
 from kvhandoff.protocol import ec_config, ec_publication, ec_wire, handshake, notifs, push_wire
+from kvhandoff.protocol.auth import ClusterKey
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 
@@ -42,6 +44,8 @@ def _publication(data: bytes) -> None:
     ec_publication.parse_ec_transfer_params(_json(data), peer="fuzz")
 
 
+_FUZZ_KEY = ClusterKey(b"fuzz-cluster-key-0123456789")
+
 DECODERS: list[tuple[Callable[[bytes], object], tuple[type[BaseException], ...]]] = [
     (lambda d: push_wire.decode_push_reg(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: notifs.parse_notif(d, peer="fuzz"), (RemoteProtocolError,)),
@@ -50,12 +54,59 @@ DECODERS: list[tuple[Callable[[bytes], object], tuple[type[BaseException], ...]]
     (lambda d: notifs.decode_write_failed(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: ec_wire.decode_xfer_req(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: ec_wire.decode_xfer_ack(d, peer="fuzz"), (RemoteProtocolError,)),
+    (lambda d: ec_wire.decode_xfer_done(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: ec_wire.decode_producer_message(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: handshake.decode_handshake(d, peer="fuzz"), (RemoteProtocolError,)),
+    (lambda d: handshake.decode_engine_handshake(d, peer="fuzz"), (RemoteProtocolError,)),
+    (lambda d: _FUZZ_KEY.open("fuzz", d), (RemoteProtocolError,)),
     (_publication, (RemoteProtocolError,)),
     (_extra_config, (LocalProtocolError, ValueError)),
     (_transfer_config, (LocalProtocolError, ValueError)),
 ]
+
+
+# -- structure-aware mutation of the encoder-cache decoders' input (S-01) ------------------
+# Byte-level mutation rarely builds deep structure: one million inputs never nested 4,000
+# arrays inside a valid XferReq. With probability 1/3 the mutator below starts from a
+# valid EC message and adds structure: an unknown field nested thousands deep, a header
+# announcing billions of elements, or a field of the wrong type.
+
+_EC_ROUTES = [
+    i for i, (decoder, _) in enumerate(DECODERS) if "ec_wire" in decoder.__code__.co_names
+]
+
+
+def _ec_seed_messages() -> list[bytes]:
+    from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+
+    req = ec_wire.XferReq(EC_CONNECTOR_VERSION, "6f1c2a9e", "mm", "c" * 64, "e", "a", 2, 16)
+    done = ec_wire.XferDone(EC_CONNECTOR_VERSION, "6f1c2a9e", "mm", True)
+    ack = ec_wire.XferAck(EC_CONNECTOR_VERSION, "6f1c2a9e", "mm", XferStatus.NACK_MISSING, "p")
+    return [
+        ec_wire.encode_xfer_req(req),
+        ec_wire.encode_xfer_done(done),
+        ec_wire.encode_xfer_ack(ack),
+    ]
+
+
+_EC_SEEDS = _ec_seed_messages()
+_EC_PAYLOADS = (b"\x91", b"\x81\xa1k", b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc1")
+
+
+def _ec_structured(rng: random.Random, max_size: int) -> bytes:
+    base = rng.choice(_EC_SEEDS)
+    extra = rng.choice(_EC_PAYLOADS)
+    depth = rng.randint(1, 6000) if len(extra) <= 3 else 1
+    body = bytes([base[0] + 1]) + base[1:] + b"\xa3zzz" + extra * depth + b"\xc0"
+    route = bytes([rng.choice(_EC_ROUTES)])
+    return (route + body)[:max_size]
+
+
+def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    if rng.random() < 1 / 3:
+        return _ec_structured(rng, max_size)
+    return bytes(atheris.Mutate(data, max_size))
 
 
 def test_one_input(data: bytes) -> None:
@@ -71,7 +122,7 @@ def main() -> None:
     if not any(a.startswith("-runs=") for a in args):
         args = [*args, "-runs=1000000"]
     atheris.instrument_all()  # the protocol modules load through the editable link tree
-    atheris.Setup(args, test_one_input)
+    atheris.Setup(args, test_one_input, custom_mutator=custom_mutator)
     atheris.Fuzz()
 
 

@@ -8,7 +8,7 @@ answers its request and fits it (`check_xfer_ack`). The messages and their codec
 
 from __future__ import annotations
 
-from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, EXTENSIONS, XferStatus
 from kvhandoff.protocol.ec_wire import XferAck, XferReq, validate_grant
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
@@ -69,6 +69,7 @@ def nack(req: XferReq, status: XferStatus, *, producer_agent_name: str = "") -> 
         mm_hash=req.mm_hash,
         status=status,
         producer_agent_name=producer_agent_name,
+        extensions=EXTENSIONS,
     )
 
 
@@ -100,6 +101,7 @@ def grant_ack(
         size_bytes=size_bytes,
         region_base_addr=region_base_addr,
         lease_s=float(lease_s),
+        extensions=EXTENSIONS,
     )
     try:
         validate_grant(ack, None)

@@ -24,7 +24,9 @@ __all__ = [
     "ENTRY_KEYS",
     "MAX_HOST_CHARS",
     "MAX_METADATA_DEPTH",
+    "MAX_METADATA_ITEMS",
     "MAX_MM_HASH_CHARS",
+    "MAX_PARAMS_ENTRIES",
     "PublishedEncoding",
     "build_ec_transfer_params",
     "parse_ec_transfer_params",
@@ -38,6 +40,10 @@ MAX_MM_HASH_CHARS: Final[int] = 256
 MAX_HOST_CHARS: Final[int] = 255
 MAX_METADATA_DEPTH: Final[int] = 32
 """Deepest nesting of lists and objects accepted inside `metadata`."""
+MAX_METADATA_ITEMS: Final[int] = 4096
+"""Most values (keys and items included) one entry's `metadata` may hold."""
+MAX_PARAMS_ENTRIES: Final[int] = 1024
+"""Most `mm_hash`es one request's `ec_transfer_params` may name (S-01, S-03)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,26 +78,34 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_problem(value: object, depth: int) -> str | None:
-    if depth > MAX_METADATA_DEPTH:
-        return f"nested deeper than {MAX_METADATA_DEPTH}"
-    if value is None or isinstance(value, str | int | float):  # bool is an int
-        return None
-    if isinstance(value, list | tuple):
-        for item in value:
-            problem = _json_problem(item, depth + 1)
-            if problem is not None:
-                return problem
-        return None
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"non-string key {key!r}"
-            problem = _json_problem(item, depth + 1)
-            if problem is not None:
-                return problem
-        return None
-    return f"value of type {type(value).__name__} is not JSON data"
+def _json_problem(root: object, depth: int) -> str | None:
+    """Why `root` is not bounded JSON data, or None. Iterative: no recursion to exhaust."""
+    stack: list[tuple[object, int]] = [(root, depth)]
+    seen = 0
+    while stack:
+        value, level = stack.pop()
+        seen += 1
+        if seen > MAX_METADATA_ITEMS:
+            return f"more than {MAX_METADATA_ITEMS} values"
+        if level > MAX_METADATA_DEPTH:
+            return f"nested deeper than {MAX_METADATA_DEPTH}"
+        if value is None or isinstance(value, str | int | float):  # bool is an int
+            continue
+        if isinstance(value, list | tuple):
+            if len(value) > MAX_METADATA_ITEMS:
+                return f"a list of more than {MAX_METADATA_ITEMS} values"
+            stack.extend((item, level + 1) for item in value)
+            continue
+        if isinstance(value, Mapping):
+            if len(value) > MAX_METADATA_ITEMS:
+                return f"an object of more than {MAX_METADATA_ITEMS} keys"
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    return f"non-string key {key!r:.80}"
+                stack.append((item, level + 1))
+            continue
+        return f"value of type {type(value).__name__} is not JSON data"
+    return None
 
 
 def _entry_problem(metadata: object, host: object, port: object, size: object) -> str | None:
@@ -182,14 +196,30 @@ def parse_ec_transfer_params(
     """Validate received `ec_transfer_params`: `mm_hash -> PublishedEncoding`, or None
     where the producer published the encoding as unservable.
 
-    `None` (no params) gives `{}`. Malformed input, including a half-published entry,
-    raises `RemoteProtocolError`.
+    `None` (no params) gives `{}`. Malformed input, including a half-published entry, and
+    any failure while reading it (S-01), raises `RemoteProtocolError`.
     """
+    try:
+        return _parse_params(obj, peer)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # a hostile object may fail in any way: still the peer's (S-01)
+        raise RemoteProtocolError(
+            f"unreadable ec_transfer_params: {exc!r:.200}", peer=peer
+        ) from exc
+
+
+def _parse_params(obj: object, peer: str | None) -> dict[str, PublishedEncoding | None]:
     if obj is None:
         return {}
     if not isinstance(obj, Mapping):
         raise RemoteProtocolError(
             f"ec_transfer_params must be an object, got {type(obj).__name__}", peer=peer
+        )
+    if len(obj) > MAX_PARAMS_ENTRIES:
+        raise RemoteProtocolError(
+            f"ec_transfer_params names {len(obj)} encodings, more than {MAX_PARAMS_ENTRIES}",
+            peer=peer,
         )
     parsed: dict[str, PublishedEncoding | None] = {}
     for mm_hash, entry in obj.items():

@@ -20,8 +20,10 @@ from kvhandoff.protocol.errors import LocalProtocolError
 __all__ = [
     "DTYPE_SIZES",
     "EC_CONNECTOR_VERSION",
+    "EXTENSIONS",
     "NACKS",
     "RETRYABLE_NACKS",
+    "XFER_DONE",
     "XferStatus",
     "canonical_dtype_name",
     "compatibility_hash",
@@ -30,6 +32,16 @@ __all__ = [
 
 EC_CONNECTOR_VERSION: Final[int] = 1
 """Wire version of every EC control-plane message; a peer of another version is NACKed."""
+
+
+XFER_DONE: Final[str] = "xfer_done"
+"""Extension: the consumer ends a grant with `XferDone` (else the pin lease ends it)."""
+
+EXTENSIONS: Final[tuple[str, ...]] = (XFER_DONE, "random_transfer_ids", "announced_evictions")
+"""kvhandoff's extensions of the EC exchange, advertised in every `XferReq` and `XferAck`
+(C-04): an extension is used with a peer only when that peer advertised it. Random
+transfer ids (S-02) and announced evictions (B-01) need nothing from the peer; they are
+advertised so a peer can tell what it talks to."""
 
 
 class XferStatus(StrEnum):

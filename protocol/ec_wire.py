@@ -29,10 +29,12 @@ import msgspec
 
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.protocol.msgpack_limits import check_msgpack
 
 __all__ = [
     "MAX_AGENT_METADATA_BYTES",
     "MAX_BLOCKS_PER_XFER",
+    "MAX_DEPTH",
     "MAX_ID_CHARS",
     "MAX_XFER_ACK_BYTES",
     "MAX_XFER_DONE_BYTES",
@@ -62,6 +64,12 @@ MAX_XFER_DONE_BYTES: Final[int] = 2 << 10
 """Largest encoded `XferDone` a decoder accepts."""
 MAX_XFER_ACK_BYTES: Final[int] = 4 << 20
 """Largest encoded `XferAck` a decoder accepts."""
+MAX_DEPTH: Final[int] = 8
+"""Deepest nesting of arrays and maps an EC message may have (ours need 2)."""
+MAX_OBJECTS_PER_REQUEST: Final[int] = 256
+"""Most msgpack objects an `XferReq` or `XferDone` may hold (a map entry counts twice)."""
+MAX_OBJECTS_PER_ACK: Final[int] = MAX_BLOCKS_PER_XFER + 256
+"""Most msgpack objects an `XferAck` may hold: its block list and the rest."""
 _MAX_U64: Final[int] = 2**64 - 1
 
 _Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
@@ -73,6 +81,9 @@ _BlockIndex = _U64
 _BlockList = Annotated[list[_BlockIndex], msgspec.Meta(max_length=MAX_BLOCKS_PER_XFER)]
 _AgentMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
 _Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+_Extensions = Annotated[
+    tuple[Annotated[str, msgspec.Meta(max_length=64)], ...], msgspec.Meta(max_length=16)
+]
 
 
 class XferReq(
@@ -96,6 +107,8 @@ class XferReq(
     """Blocks the consumer reserved as READ destination."""
     size_bytes: _U64
     """Bytes of the encoding, as published in `ec_transfer_params`."""
+    extensions: _Extensions = ()
+    """kvhandoff extensions the consumer speaks (C-04; `ec_status.EXTENSIONS`)."""
 
 
 class XferAck(
@@ -127,6 +140,9 @@ class XferAck(
     """Address of block 0 in the producer's registered region."""
     lease_s: _Seconds = 0.0
     """Seconds the producer keeps the blocks pinned if no `XferDone` arrives (R-E12)."""
+    extensions: _Extensions = ()
+    """kvhandoff extensions the producer speaks (C-04): `XferDone` is sent to it only when
+    it lists `xfer_done`."""
 
 
 class XferDone(
@@ -200,16 +216,19 @@ def _envelope(data: _Bytes, limit: int, peer: str | None) -> _Envelope:
         raise RemoteProtocolError(
             f"EC message of {size} bytes exceeds the {limit}-byte cap", peer=peer
         )
+    # Depth and object count first: nothing recursive may see what is not bounded (S-01).
+    items = MAX_OBJECTS_PER_ACK if limit == MAX_XFER_ACK_BYTES else MAX_OBJECTS_PER_REQUEST
+    check_msgpack(data, max_depth=MAX_DEPTH, max_items=items, what="EC message", peer=peer)
     try:
         return _ENVELOPE_DECODER.decode(data)
-    except msgspec.MsgspecError as exc:
+    except Exception as exc:  # every decode failure is the peer's, whatever its type (S-01)
         raise RemoteProtocolError(f"malformed EC message envelope: {exc}", peer=peer) from exc
 
 
 def _strict(decoder: msgspec.msgpack.Decoder[_T], kind: str, data: _Bytes, peer: str | None) -> _T:
     try:
         return decoder.decode(data)
-    except msgspec.MsgspecError as exc:
+    except Exception as exc:  # every decode failure is the peer's, whatever its type (S-01)
         raise RemoteProtocolError(f"malformed {kind}: {exc}", peer=peer) from exc
 
 

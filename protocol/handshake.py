@@ -1,11 +1,18 @@
-"""The side-channel handshake payload and the compatibility check (R-P15, R-P14).
+"""The side-channel handshake payload and the compatibility check (R-P15, R-P14, R-T01).
 
-Each worker answers a ZMQ side-channel request with one `HandshakePayload`: its NIXL
-agent name and metadata, its TP coordinates, and per registered region the block length,
-capacity (``num_blocks``), base address and, for member routing, the layer names backing
-the region. Regions are listed once per physical allocation. A payload whose
-``protocol_version`` differs from ours is refused before anything else is read, so a
-newer peer gets a clear version error rather than an unknown-field one.
+Each worker rank describes itself with one `HandshakePayload`: its NIXL agent name and
+metadata, its TP/PP coordinates, per registered region the block length, capacity
+(``num_blocks``), base address and, for member routing, the layer names backing the
+region, and the kvhandoff extensions it speaks (C-04: ``push_fail``, and ``auth`` with
+the id of the cluster key when one is configured, S-05). Regions are listed once per
+physical allocation.
+
+The engine's side channel (served by its scheduler side, which collects the ranks'
+payloads) answers with one `EngineHandshake`: every rank of the engine, in global rank
+order (``pp_rank * tp_size + tp_rank``), checked whole: one engine id, one TP/PP shape,
+each rank exactly once. A payload whose ``protocol_version`` differs from ours is
+refused before anything else is read, so a newer peer gets a clear version error rather
+than an unknown-field one.
 """
 
 from __future__ import annotations
@@ -27,16 +34,27 @@ from kvhandoff.protocol.push_wire import (
 
 __all__ = [
     "DEFAULT_MAX_HANDSHAKE_BYTES",
+    "DEFAULT_MAX_RANKS",
     "DEFAULT_MAX_REGIONS",
+    "EXT_AUTH",
+    "EXT_PUSH_FAIL",
     "HANDSHAKE_PROTOCOL_VERSION",
+    "EngineHandshake",
     "HandshakePayload",
     "check_compatible",
     "compatibility_hash",
+    "decode_engine_handshake",
     "decode_handshake",
+    "encode_engine_handshake",
     "encode_handshake",
 ]
 
-HANDSHAKE_PROTOCOL_VERSION: Final = 1
+HANDSHAKE_PROTOCOL_VERSION: Final = 2
+DEFAULT_MAX_RANKS: Final = 1024
+EXT_PUSH_FAIL: Final = "push_fail"
+"""The peer understands ``PUSH_FAIL`` notifs (B-10); a stock vLLM D does not advertise it."""
+EXT_AUTH: Final = "auth"
+"""The peer seals its control notifs with the cluster key whose id it advertises (S-05)."""
 DEFAULT_MAX_HANDSHAKE_BYTES: Final = 16 << 20
 DEFAULT_MAX_REGIONS: Final = 65536
 _ADDRESS_LIMIT: Final = 1 << 64
@@ -66,6 +84,37 @@ class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     compatibility_hash: Sha256Hex
     region_members: tuple[tuple[NonEmptyStr, ...], ...] = ()
     """Layer names backing each region; empty when the worker does not advertise them."""
+    pp_size: PositiveInt = 1
+    pp_rank: NonNegativeInt = 0
+    extensions: tuple[Annotated[str, msgspec.Meta(max_length=64)], ...] = ()
+    """kvhandoff extensions this rank speaks (C-04)."""
+    auth_key_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """Id of the cluster key this rank seals with (S-05); empty without a key."""
+
+    @property
+    def rank(self) -> int:
+        """The global rank, ``pp_rank * tp_size + tp_rank``."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+
+class EngineHandshake(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What an engine's side channel serves: every rank's payload, in global rank order."""
+
+    protocol_version: int
+    engine_id: NonEmptyStr
+    ranks: tuple[HandshakePayload, ...]
+
+    @property
+    def tp_size(self) -> int:
+        return self.ranks[0].tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.ranks[0].pp_size
+
+    @property
+    def extensions(self) -> frozenset[str]:
+        return frozenset(self.ranks[0].extensions)
 
 
 class _VersionProbe(msgspec.Struct):
@@ -75,6 +124,7 @@ class _VersionProbe(msgspec.Struct):
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(HandshakePayload)
+_ENGINE_DECODER: Final = msgspec.msgpack.Decoder(EngineHandshake)
 _PROBE: Final = msgspec.msgpack.Decoder(_VersionProbe)
 
 
@@ -82,6 +132,12 @@ def _problem(p: HandshakePayload, max_regions: int) -> str | None:
     """Return what is wrong across fields of a type-valid payload, or None."""
     if p.tp_rank >= p.tp_size:
         return f"tp_rank {p.tp_rank} is not below tp_size {p.tp_size}"
+    if p.pp_rank >= p.pp_size:
+        return f"pp_rank {p.pp_rank} is not below pp_size {p.pp_size}"
+    if len(set(p.extensions)) != len(p.extensions) or len(p.extensions) > 16:
+        return f"extensions {p.extensions[:16]!r} repeat or are too many"
+    if (EXT_AUTH in p.extensions) != bool(p.auth_key_id):
+        return "the auth extension and auth_key_id must come together"
     n = len(p.kv_block_lens)
     if not 1 <= n <= max_regions:
         return f"{n} regions, expected 1..{max_regions}"
@@ -126,14 +182,67 @@ def encode_handshake(payload: HandshakePayload) -> bytes:
     return data
 
 
-def decode_handshake(
+def _engine_problem(e: EngineHandshake, max_regions: int, max_ranks: int) -> str | None:
+    """Return what is wrong with an engine's set of rank payloads, or None."""
+    if not 1 <= len(e.ranks) <= max_ranks:
+        return f"{len(e.ranks)} ranks, expected 1..{max_ranks}"
+    first = e.ranks[0]
+    if first.tp_size * first.pp_size != len(e.ranks):
+        return f"{len(e.ranks)} ranks for tp_size {first.tp_size} x pp_size {first.pp_size}"
+    shared = ("tp_size", "pp_size", "backend", "compatibility_hash", "extensions", "auth_key_id")
+    for index, payload in enumerate(e.ranks):
+        problem = _problem(payload, max_regions)
+        if problem is not None:
+            return f"rank {index}: {problem}"
+        if payload.engine_id != e.engine_id:
+            return f"rank {index} belongs to engine {payload.engine_id!r}"
+        if payload.rank != index:
+            return f"rank {index} says it is rank {payload.rank}"
+        for name in shared:
+            if getattr(payload, name) != getattr(first, name):
+                return f"rank {index} differs from rank 0 in {name}"
+    return None
+
+
+def encode_engine_handshake(engine: EngineHandshake) -> bytes:
+    """Encode what the engine's side channel serves, checked with the receiver's rules."""
+    if engine.protocol_version != HANDSHAKE_PROTOCOL_VERSION:
+        raise LocalProtocolError(
+            f"handshake protocol_version {engine.protocol_version!r},"
+            f" this build speaks {HANDSHAKE_PROTOCOL_VERSION}"
+        )
+    problem = _engine_problem(engine, DEFAULT_MAX_REGIONS, DEFAULT_MAX_RANKS)
+    if problem is not None:
+        raise LocalProtocolError(f"cannot encode handshake of {engine.engine_id!r}: {problem}")
+    try:
+        return _ENCODER.encode(engine)
+    except MSGPACK_DECODE_ERRORS as exc:
+        raise LocalProtocolError(f"cannot encode handshake of {engine.engine_id!r}: {exc}") from exc
+
+
+def decode_engine_handshake(
     data: bytes,
     *,
     peer: str | None = None,
     max_bytes: int = DEFAULT_MAX_HANDSHAKE_BYTES,
     max_regions: int = DEFAULT_MAX_REGIONS,
-) -> HandshakePayload:
-    """Decode a handshake payload; any bad input raises `RemoteProtocolError`."""
+    max_ranks: int = DEFAULT_MAX_RANKS,
+) -> EngineHandshake:
+    """Decode an engine's side-channel answer; any bad input raises `RemoteProtocolError`."""
+    _check_version(data, peer, max_bytes)
+    try:
+        engine = _ENGINE_DECODER.decode(data)
+    except MSGPACK_DECODE_ERRORS as exc:
+        raise RemoteProtocolError(f"malformed handshake: {exc}", peer=peer) from exc
+    problem = _engine_problem(engine, max_regions, max_ranks)
+    if problem is not None:
+        raise RemoteProtocolError(
+            f"invalid handshake from engine {engine.engine_id!r}: {problem}", peer=peer
+        )
+    return engine
+
+
+def _check_version(data: bytes, peer: str | None, max_bytes: int) -> None:
     if len(data) > max_bytes:
         raise RemoteProtocolError(
             f"handshake of {len(data)} bytes exceeds the {max_bytes}-byte cap", peer=peer
@@ -151,6 +260,17 @@ def decode_handshake(
             f" this side speaks {HANDSHAKE_PROTOCOL_VERSION}",
             peer=peer,
         )
+
+
+def decode_handshake(
+    data: bytes,
+    *,
+    peer: str | None = None,
+    max_bytes: int = DEFAULT_MAX_HANDSHAKE_BYTES,
+    max_regions: int = DEFAULT_MAX_REGIONS,
+) -> HandshakePayload:
+    """Decode one rank's handshake payload; any bad input raises `RemoteProtocolError`."""
+    _check_version(data, peer, max_bytes)
     try:
         payload = _DECODER.decode(data)
     except MSGPACK_DECODE_ERRORS as exc:
@@ -192,11 +312,12 @@ def compatibility_hash(
 def check_compatible(
     local: HandshakePayload, remote: HandshakePayload, *, peer: str | None = None
 ) -> None:
-    """Refuse a peer whose protocol version, backend or compatibility hash differs.
+    """Refuse a peer whose protocol version, backend, compatibility hash or cluster key
+    differs (a side with a key talks only to peers sealing with the same key, S-05).
 
     Raises `RemoteProtocolError` naming both engines and the first mismatching field.
     """
-    for field in ("protocol_version", "backend", "compatibility_hash"):
+    for field in ("protocol_version", "backend", "compatibility_hash", "auth_key_id"):
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
             raise RemoteProtocolError(

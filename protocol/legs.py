@@ -20,6 +20,7 @@ class PrefillCoordinates:
     host: str
     port: int
     tp_size: int
+    pp_size: int = 1
 
 
 def prefill_leg(request: dict[str, Any]) -> dict[str, Any]:
@@ -40,6 +41,7 @@ def decode_leg(request: dict[str, Any], prefill: PrefillCoordinates) -> dict[str
         "remote_host": prefill.host,
         "remote_port": prefill.port,
         "remote_tp_size": prefill.tp_size,
+        "remote_pp_size": prefill.pp_size,
     }
     return leg
 
@@ -54,10 +56,17 @@ def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
             host=str(params["remote_host"]),
             port=int(params["remote_port"]),
             tp_size=int(params["remote_tp_size"]),
+            pp_size=int(params.get("remote_pp_size", 1)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"decode leg has malformed prefill coordinates: {exc}") from None
-    if not coords.engine_id or not coords.host or not 0 < coords.port < 65536 or coords.tp_size < 1:
+    if (
+        not coords.engine_id
+        or not coords.host
+        or not 0 < coords.port < 65536
+        or not 0 < coords.tp_size <= 1 << 16
+        or not 0 < coords.pp_size <= 1 << 16
+    ):
         raise RemoteProtocolError(f"decode leg has invalid prefill coordinates {coords}")
     return coords
 
@@ -82,6 +91,7 @@ def pull_params(
         "remote_host": prefill.host,
         "remote_port": prefill.port,
         "remote_tp_size": prefill.tp_size,
+        "remote_pp_size": prefill.pp_size,
         "remote_request_id": request_id,
         "remote_block_ids": list(block_ids),
     }

@@ -1,41 +1,82 @@
-"""Push-mode settings (R-P07, R-P10, R-P11, R-P15) with the seed's defaults, validated."""
+"""Push-mode settings (R-P07, R-P10, R-P11, R-P15, B-11, S-03, S-05), validated.
+
+Timeouts are in seconds. Where vLLM 0.33 derives one setting from another, so does this:
+the heartbeat extension is 2/3 of the lease and the heartbeat interval 1/6 of it unless
+configured (30 s lease: 20 s extension, a heartbeat every 5 s); the registration watchdog
+defaults to `decoder_kv_blocks_ttl`; idle remote engines are evicted after `engine_ttl`
+(vLLM's 3600 s). The cluster key (S-05) is configured, never defaulted, and never shown.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvhandoff.protocol.errors import LocalProtocolError
 
+_COUNTS = frozenset(
+    {
+        "tp_size",
+        "pp_size",
+        "max_pending_registrations_per_peer",
+        "max_pending_registrations",
+        "max_pending_block_ids",
+    }
+)
+_TEXT = frozenset({"nixl_backend", "cluster_key"})
+_FLAGS = frozenset({"nixl_progress_thread"})
+
 
 @dataclass(frozen=True, slots=True)
 class PushConfig:
-    """Timeouts in seconds. `push_registration_timeout` defaults to `decoder_kv_blocks_ttl`."""
+    """Push-mode settings of one engine (its scheduler and every worker rank)."""
 
     kv_lease_duration: float = 30.0
-    kv_lease_extension: float = 20.0
-    heartbeat_interval: float = 5.0
+    kv_lease_extension: float | None = None
+    """Heartbeats extend a lease to at least now + this; 2/3 of the lease by default."""
+    heartbeat_interval: float | None = None
+    """D sends heartbeats this often; 1/6 of the lease by default."""
     decoder_kv_blocks_ttl: float = 480.0
     push_registration_timeout: float | None = None
     push_writer_poll_interval_ms: float = 1.0
     handshake_timeout: float = 10.0
     push_write_timeout: float = 30.0
+    engine_ttl: float = 3600.0
+    """A connected remote engine unused this long is evicted (B-11, vLLM's engine TTL)."""
+    pending_registration_ttl: float | None = None
+    """How long P keeps a `PUSH_REG` that waits for its blocks; the watchdog by default."""
+    tombstone_ttl: float = 60.0
+    """How long P remembers the D ids it served, to drop late duplicates of their
+    `PUSH_REG`s."""
+    max_pending_registrations_per_peer: int = 1024
+    max_pending_registrations: int = 8192
+    max_pending_block_ids: int = 1 << 21
+    """Block ids held by every waiting `PUSH_REG` together (S-03)."""
+    tp_size: int = 1
+    pp_size: int = 1
     nixl_backend: str = "UCX"
     nixl_progress_thread: bool = False
     """NIXL's own progress thread spins a core; by default the writer's passes and the
     engine steps drive UCX progress instead (measured faster on small hosts)."""
+    cluster_key: str | None = field(default=None, repr=False)
+    """The shared secret that seals control notifs between kvhandoff peers (S-05)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "nixl_progress_thread":
+            if f.name in _FLAGS:
                 if not isinstance(value, bool):
-                    raise LocalProtocolError(f"nixl_progress_thread must be a bool, got {value!r}")
-            elif f.name == "nixl_backend":
+                    raise LocalProtocolError(f"{f.name} must be a bool, got {value!r}")
+            elif f.name in _TEXT:
+                if value is None and f.name == "cluster_key":
+                    continue
                 if not isinstance(value, str) or not value:
-                    raise LocalProtocolError("nixl_backend must be a non-empty string, e.g. 'UCX'")
+                    raise LocalProtocolError(f"{f.name} must be a non-empty string")
+            elif f.name in _COUNTS:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise LocalProtocolError(f"{f.name} must be a positive integer, got {value!r}")
             elif value is not None and (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
@@ -45,12 +86,41 @@ class PushConfig:
                 raise LocalProtocolError(
                     f"{f.name} must be a positive number of seconds, got {value!r}"
                 )
+        if self.cluster_key is not None and len(self.cluster_key.encode()) < 16:
+            raise LocalProtocolError("cluster_key needs at least 16 bytes")
+        if self.engine_ttl <= self.registration_timeout:
+            raise LocalProtocolError(
+                f"engine_ttl ({self.engine_ttl:g} s) must outlast the registration watchdog"
+                f" ({self.registration_timeout:g} s)"
+            )
+
+    @property
+    def lease_extension(self) -> float:
+        if self.kv_lease_extension is None:
+            return self.kv_lease_duration * 2.0 / 3.0
+        return self.kv_lease_extension
+
+    @property
+    def heartbeat_every(self) -> float:
+        if self.heartbeat_interval is None:
+            return self.kv_lease_duration / 6.0
+        return self.heartbeat_interval
 
     @property
     def registration_timeout(self) -> float:
         if self.push_registration_timeout is None:
             return self.decoder_kv_blocks_ttl
         return self.push_registration_timeout
+
+    @property
+    def pending_ttl(self) -> float:
+        if self.pending_registration_ttl is None:
+            return self.registration_timeout
+        return self.pending_registration_ttl
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
     def machine_config(self) -> dict[str, float]:
         """The config keys the push machines' declared timeouts read."""
@@ -59,6 +129,9 @@ class PushConfig:
             "push_registration_timeout": self.registration_timeout,
             "handshake_timeout": self.handshake_timeout,
             "push_write_timeout": self.push_write_timeout,
+            "engine_ttl": self.engine_ttl,
+            "pending_registration_ttl": self.pending_ttl,
+            "tombstone_ttl": self.tombstone_ttl,
         }
 
     @classmethod

@@ -73,6 +73,8 @@ class PushRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     remote_host: NonEmptyStr
     remote_port: Port
     remote_tp_size: PositiveInt
+    remote_pp_size: PositiveInt = 1
+    """P's pipeline-parallel size (vLLM's ``remote_pp_size``): D waits for every stage."""
 
 
 _ENCODER: Final = msgspec.msgpack.Encoder()

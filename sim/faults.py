@@ -44,6 +44,9 @@ class SimFaults:
     read_stall: float = 0.0  # encoder cache: the READ completes very late
     eviction_pressure: float = 0.0  # encoder cache: a burst of saves fills the producer
     slow_save: float = 0.0  # encoder cache: a GPU->mmap save lands late (NACK_NOT_READY)
+    hostile: float = 0.0  # encoder cache: a hostile producer or consumer acts (S-01..S-04)
+    foreign_notif: float = 0.0  # push: a process of no known engine sends notifs
+    spoofed_notif: float = 0.0  # push: a process sends notifs under a real agent's name
 
     @classmethod
     def none(cls) -> SimFaults:
@@ -70,6 +73,9 @@ class SimFaults:
             read_stall=0.04,
             eviction_pressure=0.01,
             slow_save=0.2,
+            hostile=0.02,
+            foreign_notif=0.004,
+            spoofed_notif=0.004,
         )
 
     @classmethod

@@ -32,6 +32,7 @@ from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.sim.contracts import Choices, ClientT, SettingsT, VariantT
 from kvhandoff.sim.faults import SimFaults
 from kvhandoff.sim.result import SimRunResult
+from kvhandoff.sim.trace import sim_trace
 
 __all__ = ["SeededWorld"]
 
@@ -68,7 +69,8 @@ class SeededWorld(ABC, Generic[SettingsT, ClientT, VariantT]):
         self.rng = random.Random(seed)
         self.clock = VirtualClock(START)
         self.faults = faults or SimFaults.none()
-        self.recording = record
+        self.trace = sim_trace(self.protocol, seed, self.clock)  # KVHANDOFF_TRACE: a directory
+        self.recording = record or self.trace is not None
         self.log: deque[str] = deque(maxlen=log_limit)
         self.violations: list[str] = []
         self.actions = 0
@@ -87,6 +89,8 @@ class SeededWorld(ABC, Generic[SettingsT, ClientT, VariantT]):
     def sink(self, source: str) -> Callable[[str], None]:
         """A bus recording sink that writes into this world's log."""
         log = self.log
+        if self.trace is not None:
+            return self.trace.sink(source, log)
         return lambda line: log.append(f"{source} {line}")
 
     def violation(self, message: str) -> None:
@@ -99,6 +103,13 @@ class SeededWorld(ABC, Generic[SettingsT, ClientT, VariantT]):
 
     def run(self) -> SimRunResult:
         """One whole seeded run: requests under faults, then settle, probe and check."""
+        try:
+            return self._run()
+        finally:
+            if self.trace is not None:
+                self.trace.close()
+
+    def _run(self) -> SimRunResult:
         settings = self.settings
         stop, violations = self.stop_at_violation, self.violations  # looked up once: hot
         while self.actions < settings.max_actions and not (stop and violations):

@@ -18,7 +18,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvhandoff.machines.ec.meta import CopyItem, ECConnectorMeta, ECFinished, ECWorkerMeta
+from kvhandoff.machines.ec.meta import (
+    CopyItem,
+    ECConnectorMeta,
+    ECFinished,
+    ECWorkerMeta,
+    RankReport,
+)
 
 HASHES = st.text(min_size=1, max_size=12)
 ITEMS = st.builds(
@@ -26,18 +32,20 @@ ITEMS = st.builds(
     HASHES,
     st.lists(st.integers(0, 2**31), max_size=8).map(tuple),
     st.integers(1, 2**20),
+    st.integers(0, 2**62),
 )
 CONNECTOR_META = st.builds(
     ECConnectorMeta,
     st.lists(ITEMS, max_size=4).map(tuple),
     st.lists(ITEMS, max_size=4).map(tuple),
 )
-NAMES = st.lists(HASHES, max_size=5).map(tuple)
-WORKER_META = st.builds(ECWorkerMeta, NAMES, NAMES, NAMES, NAMES)
+IDS = st.lists(st.integers(0, 2**62), max_size=5).map(tuple)
+RANK_REPORT = st.builds(RankReport, st.integers(0, 7), st.integers(0, 3), IDS, IDS, IDS, IDS)
+WORKER_META = st.builds(ECWorkerMeta, st.lists(RANK_REPORT, max_size=4).map(tuple))
 FINISHED = st.builds(
     ECFinished, st.frozensets(HASHES), st.frozensets(HASHES), st.frozensets(HASHES)
 )
-RECORDS = (CopyItem, ECConnectorMeta, ECWorkerMeta, ECFinished)
+RECORDS = (CopyItem, ECConnectorMeta, RankReport, ECWorkerMeta, ECFinished)
 
 
 def round_trip(value: Any) -> Any:
@@ -51,13 +59,20 @@ def round_trip(value: Any) -> Any:
 
 
 @given(CONNECTOR_META)
-def test_R_E05_scheduler_to_worker_meta_round_trips(meta: ECConnectorMeta) -> None:
+def test_R_T01_R_E05_scheduler_to_worker_meta_round_trips(meta: ECConnectorMeta) -> None:
     round_trip(meta)
 
 
 @given(WORKER_META)
-def test_R_E05_worker_to_scheduler_meta_round_trips(meta: ECWorkerMeta) -> None:
+def test_R_T01_R_E05_worker_to_scheduler_meta_round_trips(meta: ECWorkerMeta) -> None:
     round_trip(meta)
+
+
+@given(WORKER_META, WORKER_META)
+def test_R_T02_aggregation_keeps_every_rank_report(a: ECWorkerMeta, b: ECWorkerMeta) -> None:
+    both = a.aggregate(b)
+    assert both.reports == a.reports + b.reports
+    assert round_trip(both) == both
 
 
 @given(FINISHED)
@@ -69,7 +84,8 @@ def test_R_E05_empty_step_metadata_round_trips() -> None:
     for value in (ECConnectorMeta(), ECWorkerMeta(), ECFinished()):
         round_trip(value)
     assert not ECWorkerMeta(), "an empty report is falsy"
-    assert round_trip(ECWorkerMeta(saved=("h",)))
+    assert not ECWorkerMeta((RankReport(1, 0),)), "so is one whose ranks report nothing"
+    assert round_trip(ECWorkerMeta((RankReport(saved=(7,)),)))
 
 
 def _plain(hint: object) -> bool:

@@ -195,12 +195,13 @@ def test_R_E03_R_E04_R_E05_local_tier_over_a_real_region(tmp_path: Path) -> None
     )
     worker.bus.handle(CloseRegion, lambda _i, e: closed.append(e))
     clock = VirtualClock()
-    worker.register_caches(region.addr, region.size, clock.now)
+    worker.register_region(region.addr, region.size, clock.now)
 
     def step() -> None:
         now = clock.advance(0.01)  # one engine step
         meta = scheduler.build_connector_meta(now)
-        worker.start_load_caches(meta, now)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_caches(now)
         worker.save_caches(now)
         for batch_id, ok in engine.poll():
             worker.on_copy_done(batch_id, now, ok=ok)
@@ -208,15 +209,15 @@ def test_R_E03_R_E04_R_E05_local_tier_over_a_real_region(tmp_path: Path) -> None
 
     source = encoder_output(5, 42)
     cache["img"] = source
-    first = ECRequestInfo("r1", ("img",))
-    scheduler.update_state_after_alloc(first, "img", 5, clock.now)
+    first = ECRequestInfo("r1", ("img",), mm_tokens=(5,))
+    scheduler.update_state_after_alloc(first, 0, clock.now)
     step()
     assert scheduler.cache.state("img") == "ready"
     del cache["img"]  # the GPU encoder cache let it go
-    second = ECRequestInfo("r2", ("img",))
-    assert scheduler.ensure_cache_available(second, clock.now)
+    second = ECRequestInfo("r2", ("img",), mm_tokens=(5,))
+    assert scheduler.ensure_cache_available(second, 0, clock.now)
     cache["img"] = torch.empty(5, HIDDEN, dtype=torch.bfloat16)
-    scheduler.update_state_after_alloc(second, "img", 5, clock.now)
+    scheduler.update_state_after_alloc(second, 0, clock.now)
     step()
     assert same_bytes(cache["img"], source)
     assert scheduler.cache.state("img") == "ready", "unpinned after the load (R-E05)"

@@ -24,8 +24,13 @@ LOCAL_TIER_MODULES: tuple[str, ...] = (
     "kvhandoff.machines.ec.cache_entry",
     "kvhandoff.machines.ec.cache",
     "kvhandoff.machines.ec.copy_batch",
+    "kvhandoff.machines.ec.notices",
     "kvhandoff.machines.ec.meta",
     "kvhandoff.machines.ec.request",
+    "kvhandoff.machines.ec.settlement",
+    "kvhandoff.machines.ec.transfer",
+    "kvhandoff.machines.ec.reports",
+    "kvhandoff.protocol.msgpack_limits",
     "kvhandoff.machines.ec.worker_region",
     "kvhandoff.machines.ec.nixl_gate",
     "kvhandoff.machines.ec.scheduler",
@@ -89,7 +94,7 @@ def test_R_E02_local_connector_halves_built_without_p2p_stack(tmp_path: Path) ->
         "c = ECTransferConfig(ec_connector='ECCPUConnector', ec_role='ec_both',\n"
         "    ec_connector_extra_config={'ec_cpu_bytes': 4096})\n"
         "ECCPUConnector.scheduler(c, ECLayout(8, 2, 4096))\n"
-        "ECCPUConnector.worker(c, ECLayout(8, 2, 4096)).register_caches(0, None, 0.0)\n"
+        "ECCPUConnector.worker(c, ECLayout(8, 2, 4096)).register_region(0, None, 0.0)\n"
         "forbidden = ",
     )
     proc = subprocess.run(

@@ -28,7 +28,6 @@ from kvhandoff.demo.ec_requests import BLOCK_BYTES, COMPAT, DTYPE, HIDDEN, encod
 from kvhandoff.demo.launcher import RoleProcess, relay, start_role, stop_all, wait_ready
 from kvhandoff.machines.ec.consumer_read import SendXferReq
 from kvhandoff.machines.ec.meta import ECRequestInfo
-from kvhandoff.machines.ec.request import EC_REQUEST
 from kvhandoff.protocol.ec_config import ECLayout, ECRole, ECTransferConfig
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck, encode_xfer_ack, encode_xfer_req
@@ -107,12 +106,14 @@ def pull(
 ) -> Pulled:
     """One consumer request for `mm_hash`, stepped like an engine until it is served."""
     sched = side.scheduler
-    info = ECRequestInfo(f"req-{next(_ids)}", (mm_hash,), ec_transfer_params=params)
+    info = ECRequestInfo(
+        f"req-{next(_ids)}", (mm_hash,), ec_transfer_params=params, mm_tokens=(tokens,)
+    )
     start = time.monotonic()
 
     def available() -> bool:
         side.engine_step()
-        return sched.ensure_cache_available(info, side.clock())
+        return sched.ensure_cache_available(info, 0, side.clock())
 
     poll_until(available, timeout_s, f"{mm_hash} to be available or settled locally")
     elapsed = time.monotonic() - start
@@ -120,12 +121,11 @@ def pull(
     not_ready = outcome.not_ready if outcome else 0
     attempts = outcome.attempts if outcome else 0
     if not sched.has_cache_item(mm_hash):
-        inst = sched.bus.get(EC_REQUEST, info.request_id)
-        reason = "" if inst is None else inst.ctx.local.get(mm_hash, "")
+        reason = sched.local_reason(info.request_id, mm_hash)
         sched.request_finished(info, side.clock())
         return Pulled("local", reason, None, not_ready, attempts, elapsed)
     side.encoder_cache[mm_hash] = torch.empty(tokens, HIDDEN, dtype=DTYPE)
-    sched.update_state_after_alloc(info, mm_hash, tokens, side.clock())
+    sched.update_state_after_alloc(info, 0, side.clock())
     loaded: set[str] = set()
 
     def landed() -> bool:
@@ -294,11 +294,12 @@ def test_R_E09_foreign_connector_version_is_nacked(producer: RoleProcess, consum
     assert (got.via, got.reason) == ("local", "NACK_VERSION")
 
 
-def test_R_E12_ack_timeout_falls_back_and_the_late_grant_ends_with_its_lease(
+def test_R_E12_ack_timeout_falls_back_and_the_late_grant_is_released_at_once(
     producer: RoleProcess, consumer: ECSide
 ) -> None:
     """A producer that is alive but silent (SIGSTOP): the ack wait (2.5 s here) settles
-    the request locally; the grant it makes once resumed is released by its pin lease."""
+    the request locally; the OK it sends once resumed is answered with an XferDone, so
+    the producer unpins at once instead of after its pin lease."""
     params = encode(producer, "img-silent", 4)
     os.kill(producer.proc.pid, signal.SIGSTOP)
     try:
@@ -308,16 +309,13 @@ def test_R_E12_ack_timeout_falls_back_and_the_late_grant_ends_with_its_lease(
     assert (got.via, got.reason) == ("local", "ack_timeout")  # not a later deadline
     assert consumer.scheduler.cache.state("img-silent") is None
 
-    def lease_ended() -> bool:
-        consumer.poll()  # the late OK ack arrives and is rejected: no read awaits it
+    def released() -> bool:
+        consumer.poll()  # the late OK ack arrives: refused, and its grant released
         snapshot = status(producer)
-        return (
-            snapshot["grants"] == {}
-            and snapshot["metrics"].get("ec.producer.lease_expired", 0) >= 1
-        )
+        return snapshot["grants"] == {} and snapshot["entries"].get("img-silent") == "ready"
 
-    poll_until(lease_ended, 20, "the unclaimed grant released by its pin lease")
-    assert status(producer)["entries"]["img-silent"] == "ready", "unpinned, not lost"
+    poll_until(released, 20, "the late grant released by an XferDone")
+    assert consumer.counters()["unused_grants_released"] >= 1
     assert consumer.counters()["rejected"] >= 1
 
 
@@ -386,8 +384,10 @@ def test_R_E03_sides_unlink_their_regions_at_shutdown() -> None:
         assert os.path.exists(path)
         assert oct(os.stat(path).st_mode & 0o777) == "0o600"
         side.encoder_cache["img-local"] = encoding("img-local", 2)
-        info = ECRequestInfo("r", ("img-local",), mm_metadata={"img-local": {"m": 1}})
-        side.scheduler.update_state_after_alloc(info, "img-local", 2, side.clock())
+        info = ECRequestInfo(
+            "r", ("img-local",), mm_metadata={"img-local": {"m": 1}}, mm_tokens=(2,)
+        )
+        side.scheduler.update_state_after_alloc(info, 0, side.clock())
         assert "img-local" in side.engine_step().saved
         params = side.scheduler.request_finished(info, side.clock())
         assert params["img-local"]["peer_port"] == side.publish_port != 0
@@ -410,22 +410,29 @@ def test_R_E11_same_agent_name_with_new_metadata_is_reloaded() -> None:
                 acks: list[XferAck] = []
                 producer.ack_observers.append(acks.append)
                 producer.encoder_cache[mm_hash] = encoding(mm_hash, 3)
-                info = ECRequestInfo("r", (mm_hash,), mm_metadata={mm_hash: {"m": 1}})
-                producer.scheduler.update_state_after_alloc(info, mm_hash, 3, producer.clock())
+                info = ECRequestInfo(
+                    "r", (mm_hash,), mm_metadata={mm_hash: {"m": 1}}, mm_tokens=(3,)
+                )
+                producer.scheduler.update_state_after_alloc(info, 0, producer.clock())
                 producer.engine_step()
                 params = producer.scheduler.request_finished(info, producer.clock())
-                asking = ECRequestInfo(f"ask-{round_}", (mm_hash,), ec_transfer_params=params)
-                assert not consumer.scheduler.ensure_cache_available(asking, consumer.clock())
+                asking = ECRequestInfo(
+                    f"ask-{round_}", (mm_hash,), ec_transfer_params=params, mm_tokens=(3,)
+                )
+                assert not consumer.scheduler.ensure_cache_available(asking, 0, consumer.clock())
                 wire = encode_xfer_req(requests[-1].req)
                 producer.scheduler.on_producer_message(b"consumer", wire, producer.clock())
                 assert str(acks[-1].status) == "OK"
-                consumer.scheduler.on_xfer_ack(encode_xfer_ack(acks[-1]), consumer.clock())
+                peer = f"{params[mm_hash]['peer_host']}:{params[mm_hash]['peer_port']}"
+                consumer.scheduler.on_xfer_ack(
+                    encode_xfer_ack(acks[-1]), consumer.clock(), peer=peer
+                )
                 assert consumer.reads_in_flight() == 1
 
                 def landed(p: ECSide = producer, r: ECRequestInfo = asking) -> bool:
                     p.poll()
                     consumer.poll()
-                    return consumer.scheduler.ensure_cache_available(r, consumer.clock())
+                    return consumer.scheduler.ensure_cache_available(r, 0, consumer.clock())
 
                 poll_until(landed, 20, f"the READ of round {round_}")
                 consumer.scheduler.request_finished(asking, consumer.clock())

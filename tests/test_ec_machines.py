@@ -35,8 +35,16 @@ from kvhandoff.machines.ec.request import (
     FailRequest,
     FallBack,
     Finished,
-    Hold,
+    ReleaseSettlements,
     RequestCtx,
+    Settled,
+)
+from kvhandoff.machines.ec.transfer import (
+    EC_TRANSFER,
+    Dispatch,
+    LoadLost,
+    RankReported,
+    TransferCtx,
 )
 from kvhandoff.machines.ec.worker_region import (
     EC_WORKER_REGION,
@@ -51,7 +59,7 @@ from kvhandoff.protocol.ec_config import ECLayout
 from kvhandoff.protocol.ec_status import (
     compatibility_hash,
 )
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 COMPAT = compatibility_hash("1.0", "model", "bfloat16", 8)
 
@@ -207,7 +215,7 @@ def test_R_E05_copy_batch_submitted_end_event_reported() -> None:
     assert effects(bus) == [CopyBlocks("save", 1, items)]
     assert [inst.key for inst in bus.tagged(EC_COPY_BATCH, "in_flight")] == [1]
     bus.dispatch(EC_COPY_BATCH, 1, EndEvent(), 0.0)
-    assert effects(bus) == [CopyLanded("save", 1, ("h",), True)]
+    assert effects(bus) == [CopyLanded("save", 1, ("h",), True, (0,))]
     assert bus.has_tag(EC_COPY_BATCH, 1, "reportable")
     bus.dispatch(EC_COPY_BATCH, 1, Report(), 0.0)
     assert bus.get(EC_COPY_BATCH, 1) is None
@@ -221,15 +229,16 @@ def test_R_E05_copy_batch_submitted_end_event_reported() -> None:
 def test_B05_lost_announced_encoding_with_rewritten_media_fails_cleanly() -> None:
     bus = isolated_bus()
     bus.register(EC_REQUEST)
-    bus.create(EC_REQUEST, RequestCtx("r1", metadata_only=frozenset({"h"})), 0.0)
-    bus.dispatch(EC_REQUEST, "r1", Hold("other"), 0.0)
+    ctx = RequestCtx("r1", mm_hashes=("other", "h"), metadata_only=frozenset({"h"}))
+    bus.create(EC_REQUEST, ctx, 0.0)
+    bus.dispatch(EC_REQUEST, "r1", Settled("other"), 0.0)
     bus.dispatch(EC_REQUEST, "r1", FallBack("h", "NACK_MISSING"), 0.0)
     inst = bus.get(EC_REQUEST, "r1")
     assert inst is not None and inst.state == "failed" and inst.has("failed_cleanly")
     out = effects(bus)
-    assert isinstance(out[1], FailRequest) and out[1].request_id == "r1"
-    assert "NACK_MISSING" in out[1].reason and "metadata-only" in out[1].reason
-    assert Emit(EC_CACHE_ENTRY, "other", Unpin()) in out, "its holds are released"
+    assert isinstance(out[0], FailRequest) and out[0].request_id == "r1"
+    assert "NACK_MISSING" in out[0].reason and "metadata-only" in out[0].reason
+    assert ReleaseSettlements("r1", ("other", "h")) in out, "its settlements are released"
     bus.dispatch(EC_REQUEST, "r1", Finished(), 0.0)
     assert bus.get(EC_REQUEST, "r1") is None
 
@@ -237,8 +246,11 @@ def test_B05_lost_announced_encoding_with_rewritten_media_fails_cleanly() -> Non
 def test_B05_lost_encoding_with_media_falls_back_locally() -> None:
     bus = isolated_bus()
     bus.register(EC_REQUEST)
-    inst = bus.create(EC_REQUEST, RequestCtx("r1"), 0.0)
+    inst = bus.create(EC_REQUEST, RequestCtx("r1", mm_hashes=("h", "g")), 0.0)
     bus.dispatch(EC_REQUEST, "r1", FallBack("h", "NACK_MISSING"), 0.0)
+    bus.dispatch(EC_REQUEST, "r1", Available(), 0.0)
+    assert inst.has("unsettled"), "g is not settled yet: it keeps waiting"
+    bus.dispatch(EC_REQUEST, "r1", Settled("g"), 0.0)
     bus.dispatch(EC_REQUEST, "r1", Available(), 0.0)
     assert inst.state == "available" and inst.ctx.local == {"h": "NACK_MISSING"}
     assert inst.has("schedulable")
@@ -256,3 +268,59 @@ def test_R_E03_shutdown_closes_and_only_the_owner_unlinks(writer: bool) -> None:
     assert bus.has_tag(EC_WORKER_REGION, "r", "usable")
     bus.dispatch(EC_WORKER_REGION, "r", Shutdown(), 0.0)
     assert effects(bus) == [CloseRegion(unlink=writer)]
+
+
+# -- transfers across worker ranks (R-T02, R-T06) ---------------------------------------
+
+
+def transfer_bus(direction: str = "load", ranks: frozenset[int] = frozenset({0, 1})) -> EventBus:
+    bus = isolated_bus()
+    bus.register(EC_TRANSFER)
+    ctx = TransferCtx(
+        7,
+        mm_hash="h",
+        direction="load" if direction == "load" else "save",
+        request_id="r",
+        participants=ranks,
+        pending=set(ranks),
+    )
+    bus.create(EC_TRANSFER, ctx, 0.0)
+    assert bus.has_tag(EC_TRANSFER, 7, "staged")
+    bus.dispatch(EC_TRANSFER, 7, Dispatch(), 0.0)
+    return bus
+
+
+def test_R_T06_a_load_unpins_only_after_every_rank_reported() -> None:
+    bus = transfer_bus()
+    bus.dispatch(EC_TRANSFER, 7, RankReported(1, True), 0.0)
+    assert effects(bus) == [] and bus.has_tag(EC_TRANSFER, 7, "in_flight")
+    bus.dispatch(EC_TRANSFER, 7, RankReported(0, True), 0.0)
+    out = effects(bus)
+    assert Emit(EC_CACHE_ENTRY, "h", Unpin()) in out
+    assert bus.get(EC_TRANSFER, 7) is None
+
+
+def test_R_T06_a_save_is_ready_when_its_writer_reported() -> None:
+    bus = transfer_bus("save", frozenset({0}))
+    bus.dispatch(EC_TRANSFER, 7, RankReported(0, True), 0.0)
+    assert Emit(EC_CACHE_ENTRY, "h", Saved()) in effects(bus)
+
+
+def test_R_T02_a_failed_rank_fails_the_load_after_the_last_report_B05() -> None:
+    bus = transfer_bus()
+    bus.dispatch(EC_TRANSFER, 7, RankReported(0, False), 0.0)
+    assert effects(bus) == [], "rank 1 may still be reading: nothing is released yet"
+    bus.dispatch(EC_TRANSFER, 7, RankReported(1, True), 0.0)
+    out = effects(bus)
+    assert Emit(EC_CACHE_ENTRY, "h", Unpin()) in out and LoadLost("r", "h") in out
+
+
+def test_R_T02_a_second_report_of_one_rank_is_refused_and_changes_nothing() -> None:
+    bus = transfer_bus()
+    bus.dispatch(EC_TRANSFER, 7, RankReported(0, True), 0.0)
+    with pytest.raises(RemoteProtocolError):
+        bus.dispatch(EC_TRANSFER, 7, RankReported(0, True), 0.0)
+    with pytest.raises(RemoteProtocolError):
+        bus.dispatch(EC_TRANSFER, 7, RankReported(5, True), 0.0)
+    inst = bus.get(EC_TRANSFER, 7)
+    assert inst is not None and inst.ctx.pending == {1}

@@ -8,22 +8,28 @@ from hypothesis import strategies as st
 
 from kvhandoff.machines.catalog import EC_DECLARATIONS
 from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY, EntryCtx
-from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, Ack, ReadCtx
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, Ack, Join, Leave, ReadCtx, Send
 from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
-from kvhandoff.machines.ec.events import Unpin
+from kvhandoff.machines.ec.events import ReadFellBack, Unpin
 from kvhandoff.machines.ec.meta import CopyItem
+from kvhandoff.machines.ec.notices import EC_LANDED_COPY, EC_REQUEST_FAILURE
+from kvhandoff.machines.ec.planned_save import EC_PLANNED_SAVE, PlannedSaveCtx
+from kvhandoff.machines.ec.producer_agent import EC_PRODUCER_AGENT, AgentCtx
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, Check, XferDone
+from kvhandoff.machines.ec.read_handle import EC_READ_HANDLE, ReadHandleCtx
 from kvhandoff.machines.ec.request import (
     EC_REQUEST,
     EncodingLost,
     FallBack,
-    Hold,
-    Load,
     RequestCtx,
+    Settled,
 )
+from kvhandoff.machines.ec.settlement import EC_SETTLEMENT, Consider, Load, SettlementCtx
+from kvhandoff.machines.ec.transfer import EC_TRANSFER, RankReported, TransferCtx
 from kvhandoff.machines.ec.worker_region import EC_WORKER_REGION, Register
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_grants import grant_ack, nack
+from kvhandoff.protocol.ec_publication import PublishedEncoding
 from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus, compatibility_hash
 from kvhandoff.protocol.ec_wire import XferAck, XferReq
 from kvhandoff.testing import run_model_test
@@ -81,6 +87,53 @@ def test_R_E05_copy_batch_model() -> None:
     )
 
 
+# -- ec.landed_copy and ec.request_failure (notices) -----------------------------------------
+
+
+def notice_tags(inst: Instance[Any]) -> None:
+    assert inst.has("untaken") == (inst.state == "posted")
+
+
+def test_R_E05_landed_copy_model() -> None:
+    model_test(
+        EC_LANDED_COPY,
+        max_examples=20,
+        context=st.fixed_dictionaries(
+            {
+                "direction": st.sampled_from(["save", "load"]),
+                "mm_hashes": st.just(("h",)),
+                "ok": st.booleans(),
+            }
+        ),
+        invariants=[notice_tags],
+    )
+
+
+def test_B05_request_failure_model() -> None:
+    model_test(
+        EC_REQUEST_FAILURE,
+        max_examples=20,
+        context=st.fixed_dictionaries({"request_id": st.just("r1"), "reason": st.just("lost")}),
+        invariants=[notice_tags],
+    )
+
+
+def planned_save_tags(inst: Instance[PlannedSaveCtx]) -> None:
+    assert inst.has("planned") == (inst.state == "planned")
+    assert inst.has("unsaved") == (inst.state in ("planned", "abandoned"))
+
+
+def test_R_E03_R_T06_planned_save_model() -> None:
+    model_test(
+        EC_PLANNED_SAVE,
+        max_examples=40,
+        context=st.fixed_dictionaries(
+            {"item": st.builds(CopyItem, st.just("h"), st.just((1, 2)), st.just(2))}
+        ),
+        invariants=[planned_save_tags],
+    )
+
+
 # -- ec.consumer_read -------------------------------------------------------------------------
 
 REQ = XferReq(
@@ -118,9 +171,10 @@ READ_CTX = st.fixed_dictionaries(
         "compat_hash": st.just(COMPAT),
         "engine_id": st.just("c"),
         "agent_name": st.just("c"),
-        "id_prefix": st.just("c:1:"),
+        "not_ready_s": st.just(60.0),
     }
 )
+WAITERS = st.sampled_from([("r1", "h"), ("r2", "h")])
 
 
 def read_invariants(inst: Instance[ReadCtx]) -> None:
@@ -137,8 +191,14 @@ def read_invariants(inst: Instance[ReadCtx]) -> None:
 def test_R_E08_R_E12_consumer_read_model() -> None:
     model_test(
         EC_CONSUMER_READ,
+        max_examples=300,  # 27 transitions; 150 examples leave one to chance
         context=READ_CTX,
-        payloads={Ack: ACKS.map(Ack)},
+        payloads={
+            Ack: ACKS.map(lambda reply: Ack(reply, 0.0)),
+            Send: st.builds(Send, st.text("0123456789abcdef", min_size=32, max_size=32)),
+            Join: st.builds(Join, WAITERS),
+            Leave: st.builds(Leave, WAITERS),
+        },
         invariants=[read_invariants],
     )
 
@@ -146,7 +206,7 @@ def test_R_E08_R_E12_consumer_read_model() -> None:
 # -- ec.producer_grant ------------------------------------------------------------------------
 
 
-def _check(version: int, compat: str, state: str | None, size: int) -> Check:
+def _check(version: int, compat: str, state: str | None, size: int, pins: int = 0) -> Check:
     req = XferReq(
         version=version,
         transfer_id="t",
@@ -165,6 +225,8 @@ def _check(version: int, compat: str, state: str | None, size: int) -> Check:
         entry_loadable=state in ("ready", "pinned"),
         entry_blocks=(3, 4) if present else (),
         entry_size_bytes=16 if present else 0,
+        peer_grants=pins,
+        total_grants=pins,
     )
 
 
@@ -174,12 +236,14 @@ CHECKS = st.builds(
     st.sampled_from([COMPAT, "other"]),
     st.sampled_from([None, "allocated", "ready", "pinned"]),
     st.sampled_from([16, 9]),
+    st.sampled_from([0, 0, 0, 0, 256]),
 )
 
 
-def test_R_E09_R_E10_producer_grant_model() -> None:
+def test_R_E09_R_E10_S_03_producer_grant_model() -> None:
     model_test(
         EC_PRODUCER_GRANT,
+        max_examples=300,
         context=st.fixed_dictionaries(
             {
                 "peer": st.just(b"peer"),
@@ -201,7 +265,7 @@ HASHES = st.sampled_from(["a", "b", "c"])
 def request_invariants(inst: Instance[RequestCtx]) -> None:
     ctx = inst.ctx
     if inst.has("failed_cleanly"):
-        assert ctx.failure and not ctx.held, "a failed request holds nothing"
+        assert ctx.failure, "a failed request says why"
     else:
         assert not set(ctx.local) & ctx.metadata_only, "no local fallback without media"
 
@@ -209,14 +273,96 @@ def request_invariants(inst: Instance[RequestCtx]) -> None:
 def test_B05_request_model() -> None:
     model_test(
         EC_REQUEST,
-        context=st.fixed_dictionaries({"metadata_only": st.frozensets(HASHES, max_size=2)}),
+        context=st.fixed_dictionaries(
+            {
+                "mm_hashes": st.sampled_from([("a",), ("a", "b")]),
+                "metadata_only": st.frozensets(HASHES, max_size=2),
+            }
+        ),
         payloads={
-            Hold: st.builds(Hold, HASHES),
-            Load: st.builds(Load, HASHES),
+            Settled: st.builds(Settled, HASHES),
             FallBack: st.builds(FallBack, HASHES, st.sampled_from(["NACK_MISSING", "ack_timeout"])),
             EncodingLost: st.builds(EncodingLost, HASHES),
         },
         invariants=[request_invariants],
+    )
+
+
+# -- ec.settlement ----------------------------------------------------------------------------
+
+PUBLISHED = PublishedEncoding({"grid": [1, 2, 2]}, "p", 5601, 16)
+CONSIDERS = st.builds(
+    Consider,
+    loadable=st.booleans(),
+    read_in_flight=st.booleans(),
+    own_save_pending=st.booleans(),
+    quarantined=st.booleans(),
+    size_problem=st.sampled_from(["", "too big"]),
+    published=st.sampled_from([None, PUBLISHED]),
+    p2p=st.booleans(),
+    unservable=st.booleans(),
+    params_error=st.sampled_from(["", "malformed"]),
+)
+
+
+def settlement_invariants(inst: Instance[SettlementCtx]) -> None:
+    assert inst.has("encode_locally") == bool(inst.ctx.reason), "local exactly with a reason"
+
+
+def test_R_E07_B05_S_04_settlement_model() -> None:
+    model_test(
+        EC_SETTLEMENT,
+        max_examples=250,
+        context=st.fixed_dictionaries({}),
+        payloads={
+            Consider: st.one_of(CONSIDERS, st.just(Consider(own_save_pending=True))),
+            ReadFellBack: st.builds(ReadFellBack, st.sampled_from(["ack_timeout", "NACK_MISSING"])),
+            Load: st.builds(Load, st.integers(1, 9)),
+        },
+        invariants=[settlement_invariants],
+    )
+
+
+# -- ec.transfer ------------------------------------------------------------------------------
+
+
+def transfer_invariants(inst: Instance[TransferCtx]) -> None:
+    ctx = inst.ctx
+    assert ctx.pending <= ctx.participants and ctx.failed_ranks <= ctx.participants
+    assert inst.has("in_flight") == (inst.state == "copying")
+
+
+def test_R_T02_R_T06_transfer_model() -> None:
+    model_test(
+        EC_TRANSFER,
+        context=st.fixed_dictionaries(
+            {
+                "mm_hash": st.just("h"),
+                "direction": st.sampled_from(["save", "load"]),
+                "request_id": st.just("r"),
+                "participants": st.just(frozenset({0, 1})),
+                "pending": st.builds(set, st.just([0, 1])),
+            }
+        ),
+        payloads={RankReported: st.builds(RankReported, st.integers(0, 2), st.booleans())},
+        invariants=[transfer_invariants],
+    )
+
+
+# -- ec.producer_agent ----------------------------------------------------------------------
+
+
+def agent_invariants(inst: Instance[AgentCtx]) -> None:
+    reads = inst.ctx.reads
+    assert reads >= 0
+    assert (reads > 0) == (inst.state in ("reading", "stale")), (inst.state, reads)
+
+
+def test_R_E11_B_08_producer_agent_model() -> None:
+    model_test(
+        EC_PRODUCER_AGENT,
+        context=st.fixed_dictionaries({"metadata": st.just(b"md")}),
+        invariants=[agent_invariants],
     )
 
 
@@ -229,6 +375,20 @@ def test_R_E03_worker_region_model() -> None:
         max_examples=60,
         context=st.fixed_dictionaries({"writer": st.booleans()}),
         payloads={Register: st.builds(Register, st.integers(0, 2**40))},
+    )
+
+
+def read_handle_tags(inst: Instance[ReadHandleCtx]) -> None:
+    assert inst.has("in_flight") == (inst.state == "posted")
+    assert inst.has("unreported") == (inst.state == "failed_unreported")
+
+
+def test_R_E12_B_08_read_handle_model() -> None:
+    model_test(
+        EC_READ_HANDLE,
+        max_examples=30,
+        context=st.fixed_dictionaries({"mm_hash": st.just("h"), "agent": st.just("p")}),
+        invariants=[read_handle_tags],
     )
 
 

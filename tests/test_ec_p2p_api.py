@@ -10,7 +10,7 @@ import pytest
 from test_ec_api import META, NOW, request
 
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
-from kvhandoff.machines.ec.consumer_read import IssueRead, SendXferReq
+from kvhandoff.machines.ec.consumer_read import IssueRead, SendXferDone, SendXferReq
 from kvhandoff.machines.ec.events import Saved
 from kvhandoff.machines.ec.producer_grant import SendXferAck
 from kvhandoff.machines.ec.request import EC_REQUEST
@@ -38,9 +38,13 @@ def step_both(sim: Sim) -> None:
     sim.engine_step(sim.consumer, [])
 
 
+PRODUCER = "producer.sim:5601"
+"""The producer's side channel, as the consumer's DEALER to it names it."""
+
+
 def produce(sim: Sim, mm_hash: str, tokens: int = 2, *, land: bool = True) -> dict[str, Any]:
-    req = request(f"p-{mm_hash}", mm_hash, mm_metadata={mm_hash: META})
-    sim.engine_step(sim.producer, [(req, mm_hash, tokens)])
+    req = request(f"p-{mm_hash}", mm_hash, tokens=tokens, mm_metadata={mm_hash: META})
+    sim.engine_step(sim.producer, [(req, 0)])
     if land:
         sim.advance(1.0, step=lambda: step_both(sim))
     return sim.producer.scheduler.request_finished(req, sim.clock.now)
@@ -52,12 +56,13 @@ def consume(
     req = request(
         rid,
         *params,
+        tokens=tokens_of(params),
         ec_transfer_params=params,
         metadata_only=frozenset(params) if metadata_only else frozenset(),
     )
     scheduler = sim.consumer.scheduler
     waited = 0.0
-    while not scheduler.ensure_cache_available(req, sim.clock.now):
+    while not scheduler.ensure_cache_available(req, 0, sim.clock.now):
         if scheduler.bus.has_tag(EC_REQUEST, rid, "failed_cleanly"):
             sim.consumer.failed.extend(scheduler.take_failed_requests())
             return False
@@ -65,6 +70,19 @@ def consume(
         sim.advance(0.1, step=lambda: step_both(sim))
         waited += 0.1
     return True
+
+
+def tokens_of(params: dict[str, Any]) -> int:
+    """The encoder tokens of the (first) published encoding: the consumer's own request
+    names the same count (S-04)."""
+    for entry in params.values():
+        if isinstance(entry, dict) and isinstance(entry.get("size_bytes"), int):
+            return max(1, entry["size_bytes"] // BLOCK_BYTES)
+    return 2
+
+
+def consumer_request(rid: str, params: dict[str, Any]) -> Any:
+    return request(rid, *params, tokens=tokens_of(params), ec_transfer_params=params)
 
 
 def test_R_E06_publication_metadata_and_address_together_or_neither() -> None:
@@ -87,8 +105,8 @@ def test_R_E06_publication_metadata_and_address_together_or_neither() -> None:
 def test_R_E07_consumer_defers_until_the_read_completes() -> None:
     sim = Sim(2)
     params = produce(sim, "h", 3)
-    req = request("c1", "h", ec_transfer_params=params)
-    assert not sim.consumer.scheduler.ensure_cache_available(req, sim.clock.now)
+    req = consumer_request("c1", params)
+    assert not sim.consumer.scheduler.ensure_cache_available(req, 0, sim.clock.now)
     assert sim.consumer.scheduler.consumer.read("h").state == "xfer_req_sent"  # type: ignore[union-attr]
     assert consume(sim, "c1", params)
     assert sim.consumer.scheduler.has_cache_item("h")
@@ -119,8 +137,7 @@ def test_R_E08_missing_encoding_falls_back_locally() -> None:
     sim.restart_producer()  # the new producer does not hold h
     assert consume(sim, "c1", params)
     assert not sim.consumer.scheduler.has_cache_item("h")
-    inst = sim.consumer.scheduler.bus.get(EC_REQUEST, "c1")
-    assert inst is not None and inst.ctx.local == {"h": "NACK_MISSING"}
+    assert sim.consumer.scheduler.local_reason("c1", "h") == "NACK_MISSING"
     assert sim.consumer.scheduler.cache.pool.free_count == 16, "destination freed"
 
 
@@ -129,8 +146,7 @@ def test_R_E12_ack_timeout_falls_back_and_quarantine_keeps_the_destination() -> 
     params = produce(sim, "h", 2)
     sim.drop_next = 1  # the XferReq is lost
     assert consume(sim, "c1", params, budget=2.5)
-    inst = sim.consumer.scheduler.bus.get(EC_REQUEST, "c1")
-    assert inst is not None and inst.ctx.local == {"h": "ack_timeout"}
+    assert sim.consumer.scheduler.local_reason("c1", "h") == "ack_timeout"
     sim.read_faults.append("hang")
     assert consume(sim, "c2", params, budget=21.0)
     scheduler = sim.consumer.scheduler
@@ -187,7 +203,7 @@ def test_B05_lost_encoding_with_rewritten_media_fails_the_request_cleanly() -> N
     assert not consume(sim, "c1", params, metadata_only=True)
     (failure,) = sim.consumer.failed
     assert failure.request_id == "c1" and "NACK_MISSING" in failure.reason
-    assert not sim.consumer.scheduler.ensure_cache_available(request("c1", "h"), sim.clock.now)
+    assert not sim.consumer.scheduler.ensure_cache_available(request("c1", "h"), 0, sim.clock.now)
     sim.consumer.scheduler.request_finished(request("c1", "h"), sim.clock.now)
     assert sim.consumer.scheduler.bus.get(EC_REQUEST, "c1") is None
 
@@ -273,10 +289,11 @@ def test_R_E08_malformed_or_unknown_acks_are_counted_and_change_nothing() -> Non
     params = produce(sim, "h")
     sim.drop_next = 1
     scheduler = sim.consumer.scheduler
-    scheduler.ensure_cache_available(request("c1", "h", ec_transfer_params=params), sim.clock.now)
+    scheduler.ensure_cache_available(consumer_request("c1", params), 0, sim.clock.now)
     read = scheduler.consumer.read("h")  # type: ignore[union-attr]
     assert read is not None and read.state == "xfer_req_sent"
     tid = read.ctx.transfer_id
+    assert len(tid) == 32 and int(tid, 16) >= 0, "128 random bits: nobody guesses it (S-02)"
     bad_status = encode_xfer_ack(XferAck(1, tid, "h", XferStatus.OK, "")).replace(b"OK", b"OX")
     cases = [
         b"junk",
@@ -286,11 +303,14 @@ def test_R_E08_malformed_or_unknown_acks_are_counted_and_change_nothing() -> Non
     ]
     for data in cases:
         with pytest.raises(RemoteProtocolError):
-            scheduler.on_xfer_ack(data, sim.clock.now, peer="producer")
+            scheduler.on_xfer_ack(data, sim.clock.now, peer=PRODUCER)
     assert scheduler.counters()["consumer_remote_errors"] == len(cases)
     assert read.state == "xfer_req_sent" and read.ctx.transfer_id == tid
-    stale = XferAck(1, tid[:-1] + "0", "h", XferStatus.NACK_NOT_READY, "")
-    scheduler.on_xfer_ack(encode_xfer_ack(stale), sim.clock.now)
+    not_ready = XferAck(1, tid, "h", XferStatus.NACK_NOT_READY, "")
+    scheduler.on_xfer_ack(encode_xfer_ack(not_ready), sim.clock.now, peer=PRODUCER)
+    scheduler.build_connector_meta(sim.clock.now)  # the next step asks again, a fresh id
+    assert read.ctx.transfer_id != tid and read.ctx.past_ids == [tid]
+    scheduler.on_xfer_ack(encode_xfer_ack(not_ready), sim.clock.now, peer=PRODUCER)
     assert scheduler.counters()["stale_acks"] == 1, "an earlier attempt's ack is only stale"
 
 
@@ -299,8 +319,7 @@ def test_R_E08_wrong_version_ack_falls_back() -> None:
     params = produce(sim, "h")
     sim.ack_faults.append("NACK_VERSION")
     assert consume(sim, "c1", params)
-    inst = sim.consumer.scheduler.bus.get(EC_REQUEST, "c1")
-    assert inst is not None and inst.ctx.local == {"h": "NACK_VERSION"}
+    assert sim.consumer.scheduler.local_reason("c1", "h") == "NACK_VERSION"
 
 
 def test_R_E06_malformed_ec_transfer_params_are_counted_and_encoded_locally() -> None:
@@ -316,16 +335,12 @@ def test_R_E07_a_landed_read_is_held_for_its_waiting_requests() -> None:
     sim = Sim(16, consumer_blocks=3)
     params = produce(sim, "h", 3)
     scheduler = sim.consumer.scheduler
-    assert not scheduler.ensure_cache_available(
-        request("c1", "h", ec_transfer_params=params), sim.clock.now
-    )
+    assert not scheduler.ensure_cache_available(consumer_request("c1", params), 0, sim.clock.now)
     sim.advance(2.0, step=lambda: step_both(sim))  # the read lands; c1 has not come back
     assert scheduler.cache.state("h") == "pinned", "held: pressure cannot evict it first"
     scheduler.cache.reserve("x", 3, 24, "save", sim.clock.now)
     assert scheduler.cache.state("h") == "pinned"
-    assert scheduler.ensure_cache_available(
-        request("c1", "h", ec_transfer_params=params), sim.clock.now
-    )
+    assert scheduler.ensure_cache_available(consumer_request("c1", params), 0, sim.clock.now)
 
 
 def test_B05_synchronous_send_failure_fails_a_rewritten_request_without_crashing() -> None:
@@ -337,13 +352,18 @@ def test_B05_synchronous_send_failure_fails_a_rewritten_request_without_crashing
     )
     entry = {"metadata": META, "peer_host": "p", "peer_port": 1, "size_bytes": 8}
     req = request(
-        "r", "a", "b", ec_transfer_params={"a": entry, "b": entry}, metadata_only=frozenset("ab")
+        "r",
+        "a",
+        "b",
+        tokens=1,
+        ec_transfer_params={"a": entry, "b": entry},
+        metadata_only=frozenset("ab"),
     )
-    assert not scheduler.ensure_cache_available(req, NOW)
+    assert not scheduler.ensure_cache_available(req, 0, NOW)
     (failure,) = scheduler.take_failed_requests()
     assert "peer_disconnected" in failure.reason
     assert scheduler.cache.pool.free_count == 8
-    assert not scheduler.ensure_cache_available(req, NOW), "stays failed until finished"
+    assert not scheduler.ensure_cache_available(req, 0, NOW), "stays failed until finished"
 
 
 def test_R_E12_an_ack_that_arrives_after_its_timeout_starts_no_read() -> None:
@@ -352,15 +372,19 @@ def test_R_E12_an_ack_that_arrives_after_its_timeout_starts_no_read() -> None:
     Every inbound message meets machines whose due timeouts have already fired."""
     sim = Sim(17)
     params = produce(sim, "h", 2)
-    req = request("c1", "h", ec_transfer_params=params)
+    req = consumer_request("c1", params)
     scheduler = sim.consumer.scheduler
-    assert not scheduler.ensure_cache_available(req, sim.clock.now)  # the XferReq is on its way
+    assert not scheduler.ensure_cache_available(req, 0, sim.clock.now)  # the XferReq is sent
     read = scheduler.consumer.read("h")  # type: ignore[union-attr]
     assert read is not None and read.state == "xfer_req_sent"
     ack = producer_answers(sim, encode_xfer_req(read.ctx.request()))
     assert ack.status is XferStatus.OK
     sim.clock.advance(31.0)  # the consumer stalls past its ack timeout and the lease
-    with pytest.raises(RemoteProtocolError, match="no read awaits"):  # a stale ack
-        scheduler.on_xfer_ack(encode_xfer_ack(ack), sim.clock.now, peer="producer")
+    sent: list[SendXferDone] = []
+    scheduler.bus.handle(SendXferDone, lambda inst, e: sent.append(e))
+    with pytest.raises(RemoteProtocolError, match="answers no request"):  # a stale ack
+        scheduler.on_xfer_ack(encode_xfer_ack(ack), sim.clock.now, peer=PRODUCER)
     assert read.state == "fallback_local" and read.ctx.reason == "ack_timeout"
     assert sim.reads_started == 0, "no READ of a grant whose lease may be over"
+    (done,) = sent  # the late OK is released at once, not after the 30 s lease
+    assert (done.done.transfer_id, done.done.ok) == (ack.transfer_id, False)

@@ -12,17 +12,26 @@ from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
 from kvhandoff.machines.ec.consumer_read import (
     EC_CONSUMER_READ,
     Ack,
-    FallBackLocal,
     IssueRead,
+    Join,
     ReadCtx,
     ReadDone,
     ReadFailed,
-    RetryNextStep,
+    ReadReleased,
+    ReleaseRead,
     Send,
     SendXferDone,
     SendXferReq,
 )
-from kvhandoff.machines.ec.events import Discard, PeerDisconnected, Pin, Saved, Unpin
+from kvhandoff.machines.ec.events import (
+    Discard,
+    PeerDisconnected,
+    Pin,
+    ReadFellBack,
+    ReadLanded,
+    Saved,
+    Unpin,
+)
 from kvhandoff.machines.ec.producer_grant import (
     EC_PRODUCER_GRANT,
     Check,
@@ -30,6 +39,7 @@ from kvhandoff.machines.ec.producer_grant import (
     SendXferAck,
     XferDone,
 )
+from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.effects import Emit
 from kvhandoff.protocol.ec_grants import check_xfer_req, grant_ack, nack
@@ -44,6 +54,12 @@ from kvhandoff.protocol.ec_wire import XferAck, XferReq
 from kvhandoff.protocol.errors import RemoteProtocolError
 
 COMPAT = compatibility_hash("1.0", "model", "bfloat16", 8)
+WAITER = ("r1", "h")
+
+
+def fell_back(reason: str) -> Emit:
+    """What the read tells its waiter when it falls back."""
+    return Emit(EC_SETTLEMENT, WAITER, ReadFellBack(reason))
 
 
 # -- consumer read -------------------------------------------------------------------------
@@ -61,8 +77,9 @@ def read_bus(**config: float) -> EventBus:
         compat_hash=COMPAT,
         engine_id="c",
         agent_name="c",
-        id_prefix="c:1:",
         max_not_ready=machine.config["consumer_max_not_ready_retries"],
+        not_ready_s=machine.config["consumer_not_ready_timeout_s"],
+        waiters={WAITER},
     )
     bus.create(EC_CONSUMER_READ, ctx, 0.0)
     return bus
@@ -70,7 +87,9 @@ def read_bus(**config: float) -> EventBus:
 
 def sent_request(bus: EventBus, now: float = 0.0) -> XferReq:
     effects(bus)
-    bus.dispatch(EC_CONSUMER_READ, "h", Send(), now)
+    inst = bus.get(EC_CONSUMER_READ, "h")
+    attempt = 1 if inst is None else inst.ctx.attempt + 1
+    bus.dispatch(EC_CONSUMER_READ, "h", Send(f"{attempt:032x}", now), now)
     (effect,) = effects(bus)
     assert isinstance(effect, SendXferReq)
     assert (effect.peer_host, effect.peer_port) == ("p.host", 5601)
@@ -91,14 +110,15 @@ def granted(req: XferReq) -> XferAck:
 
 
 def ack(bus: EventBus, reply: XferAck, now: float = 0.0) -> None:
-    bus.dispatch(EC_CONSUMER_READ, "h", Ack(reply), now)
+    bus.dispatch(EC_CONSUMER_READ, "h", Ack(reply, now), now)
 
 
 def test_R_E07_xfer_req_then_read_then_done() -> None:
     bus = read_bus()
     req = sent_request(bus)
     assert (req.version, req.mm_hash, req.num_blocks, req.size_bytes) == (1, "h", 3, 24)
-    assert req.compat_hash == COMPAT and req.transfer_id == "c:1:1"
+    assert req.compat_hash == COMPAT and req.transfer_id == f"{1:032x}"
+    assert "xfer_done" in req.extensions, "the consumer advertises its extensions (C-04)"
     assert bus.has_tag(EC_CONSUMER_READ, "h", "awaiting_ack")
     ack(bus, granted(req))
     (read,) = effects(bus)
@@ -108,8 +128,23 @@ def test_R_E07_xfer_req_then_read_then_done() -> None:
     bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
     out = effects(bus)
     assert out[0] == Emit(EC_CACHE_ENTRY, "h", Saved())
-    assert isinstance(out[1], SendXferDone) and out[1].done.ok
+    assert out[1] == Emit(EC_SETTLEMENT, WAITER, ReadLanded()), "its waiter holds it"
+    assert isinstance(out[2], SendXferDone) and out[2].done.ok
     assert bus.get(EC_CONSUMER_READ, "h") is None
+
+
+def test_C_04_xfer_done_only_to_a_producer_that_advertised_it() -> None:
+    bus = read_bus()
+    grant = granted(sent_request(bus))
+    ack(
+        bus,
+        type(grant)(
+            **{**{f: getattr(grant, f) for f in grant.__struct_fields__}, "extensions": ()}
+        ),
+    )
+    effects(bus)
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
+    assert not any(isinstance(e, SendXferDone) for e in effects(bus))
 
 
 def test_R_E11_read_uses_the_agent_metadata_carried_by_the_ack() -> None:
@@ -130,12 +165,12 @@ def test_R_E08_not_ready_retries_without_failure_and_keeps_blocks_B04() -> None:
     assert inst is not None and inst.state == "retry_next_step"
     assert inst.has("retry_pending") and inst.has("in_flight")
     out = effects(bus)
-    assert RetryNextStep("h") in out
-    assert not any(isinstance(e, FallBackLocal) for e in out), "no failure recorded"
+    assert not any(isinstance(e, Emit) and isinstance(e.event, ReadFellBack) for e in out)
     assert not discards(out), "blocks kept"
     assert inst.ctx.dest_blocks == (4, 5, 6)
     again = sent_request(bus)
-    assert again.transfer_id == "c:1:2" and again.num_blocks == 3
+    assert again.transfer_id == f"{2:032x}" and again.num_blocks == 3
+    assert inst.ctx.past_ids == [req.transfer_id], "the earlier id is remembered as stale"
     assert bus.metrics.get("ec.consumer.not_ready") == 1.0
 
 
@@ -145,10 +180,7 @@ def test_R_E08_every_other_nack_falls_back_and_frees_the_destination(status: Xfe
     req = sent_request(bus)
     ack(bus, nack(req, status))
     assert bus.get(EC_CONSUMER_READ, "h") is None
-    assert effects(bus)[:2] == [
-        Emit(EC_CACHE_ENTRY, "h", Discard()),
-        FallBackLocal("h", str(status)),
-    ]
+    assert effects(bus)[:2] == [Emit(EC_CACHE_ENTRY, "h", Discard()), fell_back(str(status))]
 
 
 def test_R_E08_classification_comes_from_retryable_nacks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,7 +202,28 @@ def test_R_E08_not_ready_retries_are_bounded_by_config() -> None:
         ack(bus, nack(sent_request(bus), XferStatus.NACK_NOT_READY))
     ack(bus, nack(sent_request(bus), XferStatus.NACK_NOT_READY))
     assert bus.get(EC_CONSUMER_READ, "h") is None
-    assert FallBackLocal("h", "NACK_NOT_READY") in effects(bus)
+    assert fell_back("NACK_NOT_READY") in effects(bus)
+
+
+def test_R_E08_not_ready_retries_are_bounded_by_time_too() -> None:
+    bus = read_bus(consumer_not_ready_timeout_s=5.0, consumer_ack_timeout_s=10.0)
+    ack(bus, nack(sent_request(bus, 0.0), XferStatus.NACK_NOT_READY), 1.0)
+    ack(bus, nack(sent_request(bus, 1.0), XferStatus.NACK_NOT_READY), 4.9)
+    assert bus.has_tag(EC_CONSUMER_READ, "h", "retry_pending")
+    ack(bus, nack(sent_request(bus, 4.9), XferStatus.NACK_NOT_READY), 5.0)
+    assert bus.get(EC_CONSUMER_READ, "h") is None, "5 s after the first XferReq it gives up"
+    assert fell_back("NACK_NOT_READY") in effects(bus)
+
+
+def test_R_E07_a_second_request_joins_the_read_in_flight() -> None:
+    bus = read_bus()
+    ack(bus, granted(sent_request(bus)))
+    bus.dispatch(EC_CONSUMER_READ, "h", Join(("r2", "h")), 0.0)
+    effects(bus)
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
+    out = effects(bus)
+    assert Emit(EC_SETTLEMENT, WAITER, ReadLanded()) in out
+    assert Emit(EC_SETTLEMENT, ("r2", "h"), ReadLanded()) in out
 
 
 def test_R_E12_ack_timeout_falls_back_after_consumer_ack_timeout_s() -> None:
@@ -180,10 +233,7 @@ def test_R_E12_ack_timeout_falls_back_after_consumer_ack_timeout_s() -> None:
     assert bus.fire_due(1.9) == 0
     assert bus.fire_due(2.1) == 1
     assert bus.get(EC_CONSUMER_READ, "h") is None
-    assert effects(bus)[:2] == [
-        Emit(EC_CACHE_ENTRY, "h", Discard()),
-        FallBackLocal("h", "ack_timeout"),
-    ]
+    assert effects(bus)[:2] == [Emit(EC_CACHE_ENTRY, "h", Discard()), fell_back("ack_timeout")]
 
 
 def test_R_E12_read_timeout_quarantines_60s_without_eviction() -> None:
@@ -195,21 +245,33 @@ def test_R_E12_read_timeout_quarantines_60s_without_eviction() -> None:
     assert inst is not None and inst.state == "quarantined"
     assert inst.has("read_posted") and not inst.has("in_flight")
     out = effects(bus)
-    assert FallBackLocal("h", "read_timeout") in out, "the request falls back at once"
+    assert fell_back("read_timeout") in out, "the request falls back at once"
     assert not discards(out)
-    bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 20.0)  # a late completion is ignored
-    assert inst.state == "quarantined" and bus.counters(EC_CONSUMER_READ).ignored == 1
     assert bus.fire_due(79.9) == 0
     bus.fire_due(80.0)
+    assert inst.state == "releasing", "the quarantine is over: the handle is released first"
+    assert effects(bus) == [ReleaseRead("h", inst.ctx.transfer_id)]
+    assert bus.get(EC_CONSUMER_READ, "h") is inst, "never freed before its handle is released"
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadReleased(), 80.0)
     assert bus.get(EC_CONSUMER_READ, "h") is None
-    assert effects(bus) == [Emit(EC_CACHE_ENTRY, "h", Discard())]
+    assert Emit(EC_CACHE_ENTRY, "h", Discard()) in effects(bus)
+
+
+def test_R_E12_a_quarantined_read_frees_its_destination_when_its_dma_completes() -> None:
+    bus = read_bus()
+    ack(bus, granted(sent_request(bus)))
+    bus.fire_due(20.0)
+    effects(bus)
+    bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 21.0)  # reported after the handle went
+    assert bus.get(EC_CONSUMER_READ, "h") is None, "freed at once, not after 60 s"
+    assert Emit(EC_CACHE_ENTRY, "h", Discard()) in effects(bus)
 
 
 def test_R_E08_peer_disconnect_falls_back_before_the_read_and_quarantines_during() -> None:
     bus = read_bus()
     sent_request(bus)
     bus.dispatch(EC_CONSUMER_READ, "h", PeerDisconnected(), 0.0)
-    assert FallBackLocal("h", "peer_disconnected") in effects(bus)
+    assert fell_back("peer_disconnected") in effects(bus)
     bus2 = read_bus()
     ack(bus2, granted(sent_request(bus2)))
     bus2.dispatch(EC_CONSUMER_READ, "h", PeerDisconnected(), 0.0)
@@ -223,7 +285,7 @@ def test_R_E08_read_failure_falls_back_and_tells_the_producer() -> None:
     bus.dispatch(EC_CONSUMER_READ, "h", ReadFailed(), 0.0)
     out = effects(bus)
     assert isinstance(out[0], SendXferDone) and not out[0].done.ok
-    assert FallBackLocal("h", "read_failed") in out
+    assert fell_back("read_failed") in out
 
 
 def test_R_E12_peer_events_a_state_does_not_declare_are_remote_errors() -> None:
@@ -358,3 +420,24 @@ def test_R_E12_xfer_done_unpins_before_the_lease_and_marks_consumed() -> None:
     assert effects(bus) == [Emit(EC_CACHE_ENTRY, "h", Unpin(consumed=True))]
     with pytest.raises(RemoteProtocolError, match="no live instance"):  # a duplicate done
         bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(True), 0.0)
+
+
+@pytest.mark.parametrize(("peer_grants", "total_grants"), [(256, 256), (0, 4096)])
+def test_S_03_a_consumer_over_its_pin_caps_is_nacked(peer_grants: int, total_grants: int) -> None:
+    bus = grant_bus()
+    key = (b"peer", "t1")
+    create_grant(bus, key)
+    check = check_of(a_request(), "ready")
+    over = Check(
+        **{
+            **{f: getattr(check, f) for f in Check.__dataclass_fields__},
+            "peer_grants": peer_grants,
+            "total_grants": total_grants,
+        }
+    )
+    bus.dispatch(EC_PRODUCER_GRANT, key, over, 0.0)
+    out = effects(bus)
+    (reply,) = [e for e in out if isinstance(e, SendXferAck)]
+    assert reply.ack.status is XferStatus.NACK_INTERNAL
+    assert not any(isinstance(e, Emit) and e.event == Pin() for e in out), "nothing pinned"
+    assert bus.metrics["ec.producer.over_cap"] == 1

@@ -40,6 +40,7 @@ from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
 from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
+from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
@@ -71,6 +72,7 @@ class ECPairModel(RuleBasedStateMachine):
         self.sim: Sim | None = None
         self.published: dict[str, dict[str, Any]] = {}
         self.pending: dict[str, tuple[ECRequestInfo, float | None]] = {}
+        self.tokens: dict[str, int] = {}  # encoder tokens of each encoding produced
         self.created: dict[str, dict[str, int]] = {}
         self.serial = 0
         self.failed: dict[str, str] = {}
@@ -151,10 +153,10 @@ class ECPairModel(RuleBasedStateMachine):
         sim.engine_step(sim.producer, [])
         scheduler, now = sim.consumer.scheduler, sim.clock.now
         for rid, (req, since) in list(self.pending.items()):
-            if scheduler.ensure_cache_available(req, now):
-                for mm_hash in req.mm_hashes:
+            if scheduler.ensure_cache_available(req, 0, now):
+                for index, mm_hash in enumerate(req.mm_hashes):
                     if scheduler.has_cache_item(mm_hash):
-                        scheduler.update_state_after_alloc(req, mm_hash, 1, now)
+                        scheduler.update_state_after_alloc(req, index, now)
                 scheduler.request_finished(req, now)
                 del self.pending[rid]
                 continue
@@ -181,8 +183,11 @@ class ECPairModel(RuleBasedStateMachine):
         sim = self.sim
         assert sim is not None
         self.serial += 1
-        req = ECRequestInfo(f"p{self.serial}", (mm_hash,), mm_metadata={mm_hash: META})
-        sim.engine_step(sim.producer, [(req, mm_hash, tokens)])
+        req = ECRequestInfo(
+            f"p{self.serial}", (mm_hash,), mm_metadata={mm_hash: META}, mm_tokens=(tokens,)
+        )
+        self.tokens[mm_hash] = tokens
+        sim.engine_step(sim.producer, [(req, 0)])
         self.published.update(sim.producer.scheduler.request_finished(req, sim.clock.now))
 
     @precondition(lambda self: bool(self.published))
@@ -208,6 +213,7 @@ class ECPairModel(RuleBasedStateMachine):
             tuple(chosen),
             ec_transfer_params=params,
             metadata_only=servable if rewrite else frozenset(),
+            mm_tokens=tuple(self.tokens[h] for h in chosen),
         )
         self.pending[rid] = (req, None)
         self.step()
@@ -304,11 +310,11 @@ class ECPairModel(RuleBasedStateMachine):
             assert entry.ctx.pins == grants_per_hash.get(entry.key, 0), entry
         consumer = sim.consumer.scheduler
         held: dict[str, int] = {}
-        for request in consumer.bus.instances(EC_REQUEST):
-            for mm_hash in request.ctx.held:
-                held[mm_hash] = held.get(mm_hash, 0) + 1
+        for item in consumer.bus.tagged(EC_SETTLEMENT, "holds_pin"):
+            held[item.ctx.mm_hash] = held.get(item.ctx.mm_hash, 0) + 1
+        loads = sim.outstanding_loads
         for entry in consumer.cache.entries():
-            expected = held.get(entry.key, 0) + sim.outstanding_loads.get(entry.key, 0)
+            expected = held.get(entry.key, 0) + loads.get(entry.key, 0)
             assert entry.ctx.pins == expected, (entry, expected)
 
     @invariant()

@@ -112,8 +112,10 @@ def test_kill_consumer_after_its_grant_pin_released_by_lease_then_restart() -> N
     lease = PRODUCER_TIMEOUTS["pin_lease_s"]
     with make_side("ec_producer", listen=("127.0.0.1", 0)) as side:
         side.encoder_cache["img-p"] = encoding("img-p", 4)
-        info = ECRequestInfo("r-img-p", ("img-p",), mm_metadata={"img-p": {"modality": "x"}})
-        side.scheduler.update_state_after_alloc(info, "img-p", 4, side.clock())
+        info = ECRequestInfo(
+            "r-img-p", ("img-p",), mm_metadata={"img-p": {"modality": "x"}}, mm_tokens=(4,)
+        )
+        side.scheduler.update_state_after_alloc(info, 0, side.clock())
         side.engine_step()
         params = side.scheduler.request_finished(info, side.clock())
         assert params["img-p"]["size_bytes"] == 4 * BLOCK_BYTES

@@ -119,13 +119,13 @@ def test_R_P04_R_P05_registrations_first_then_blocks(prefill_factory: Any) -> No
     d = _decode_child(p, 6, "--per-step", "100", "--wait-go")
     go([d])
     prefill = Prefill(p, demo_requests(6, SEED))
-    pending = p.side.writer.pending_d_registrations
-    poll_until(lambda: (prefill.step(), len(pending) == 6)[1], 40, "six pending PUSH_REGs")
+    writer = p.side.ranks[0].writer
+    poll_until(lambda: (prefill.step(), writer.pending_count == 6)[1], 40, "six pending PUSH_REGs")
     prefill.finish_all()
     poll_until(prefill.all_sent, 40, "every lease finished_sending")
     summary = child_summary(d)
     assert (summary["verified"], summary["failed"]) == (6, 0)
-    taken = {edge for edge in p.side.bus.machine(P_LEASE).taken_edges()}
+    taken = {edge for edge in p.side.ranks[0].bus.machine(P_LEASE).taken_edges()}
     assert ("matched", "handshake_started", "awaiting_handshake") in taken
     assert ("awaiting_handshake", "handshake_done", "matched") in taken
 
@@ -135,14 +135,13 @@ def test_R_P04_R_P07_blocks_first_then_registrations(prefill_factory: Any) -> No
     p = prefill_factory()
     prefill = Prefill(p, demo_requests(5, SEED))
     prefill.finish_all()
-    side = p.side
-    waiting = side.writer.push_finished_blocks
+    side = p.side.ranks[0]
 
     def staged_and_self_polling() -> bool:
         # The writer thread stages the blocks, then arms the self-poll in the same pass:
         # wait for both, whichever thread runs when (R-P07).
         prefill.step()
-        return len(waiting) == 5 and side.self_poll_interval_s is not None
+        return side.writer.awaiting_count == 5 and side.self_poll_interval_s is not None
 
     poll_until(staged_and_self_polling, 20, "five staged requests and the self-poll armed")
     assert side.self_poll_interval_s == pytest.approx(0.001), "polls every 1 ms (R-P07)"
@@ -161,10 +160,12 @@ class FailingWriteTransport(NixlPushTransport):
 
     victim = ""
 
-    def write_blocks(self, engine_id: str, local: Any, remote: Any, notif: bytes) -> Any:
+    def write_blocks(
+        self, engine_id: str, rank: int, local: Any, remote: Any, notif: bytes, **kw: Any
+    ) -> Any:
         if notif.decode().startswith(self.victim):
             raise NixlTransferError("write", "injected post failure")
-        return super().write_blocks(engine_id, local, remote, notif)
+        return super().write_blocks(engine_id, rank, local, remote, notif, **kw)
 
 
 def test_B06_R_P12_write_submit_failure_fails_d_at_once(prefill_factory: Any) -> None:
@@ -174,8 +175,10 @@ def test_B06_R_P12_write_submit_failure_fails_d_at_once(prefill_factory: Any) ->
     d = _decode_child(p, 4)
     prefill = Prefill(p, requests)
     prefill.finish_all()
-    # Three leases are pushed; the victim's lease waits for expiry (R-P12: no failed recv on P).
-    poll_until(lambda: (prefill.step(), len(prefill.sent) == 3)[1], 40, "three pushes")
+    # Three leases are pushed; the victim's blocks are freed at once, without waiting for
+    # the lease to run out (B-10): all four are finished_sending.
+    poll_until(lambda: (prefill.step(), len(prefill.sent) == 4)[1], 40, "four leases freed")
+    assert "push.p.lease_expired" not in p.side.ranks[0].bus.metrics
     summary = child_summary(d)
     failed = [e for e in summary["events"] if e["event"] == "failed"]
     assert (summary["verified"], summary["failed"]) == (3, 1)
@@ -190,14 +193,14 @@ def test_R_P11_B07_unclaimed_leases_are_reaped(prefill_factory: Any) -> None:
     prefill = Prefill(p, demo_requests(3, SEED))
     prefill.finish_all()
     poll_until(prefill.all_sent, 20, "leases reaped")
-    assert p.side.bus.metrics.get("push.p.lease_expired") == 3
-    side = p.side
+    assert p.side.ranks[0].bus.metrics.get("push.p.lease_expired") == 3
+    side = p.side.ranks[0]
 
     def evicted() -> bool:  # the writer thread evicts, then disarms its self-poll
-        return not side.writer.push_finished_blocks and side.self_poll_interval_s is None
+        return not side.writer.awaiting_count and side.self_poll_interval_s is None
 
     poll_until(evicted, 5, "writer tables evicted and the self-poll disarmed")
-    assert not side.scheduler.has_pending_push_work()
+    assert not p.side.scheduler.has_pending_push_work()
 
 
 def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
@@ -220,13 +223,13 @@ def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
         def dropped() -> bool:
             p.step()
             d.step()
-            return d.side.bus.metrics.get("push.d.watchdog_expired") == 3
+            return d.side.scheduler.bus.metrics.get("push.d.watchdog_expired") == 3
 
         poll_until(dropped, 20, "three watchdog expiries")
         # P's writer thread holds the PUSH_REGs until its own TTL (480 s), whenever they
         # reached it relative to D's watchdog.
-        pending = p.side.writer.pending_d_registrations
-        poll_until(lambda: len(pending) == 3, 20, "P holding the three PUSH_REGs")
+        writer = p.side.ranks[0].writer
+        poll_until(lambda: writer.pending_count == 3, 20, "P holding the three PUSH_REGs")
         assert not d.side.scheduler.has_pending_push_work()
 
 
@@ -251,8 +254,9 @@ def test_R_P08_R_P15_heartbeats_keep_a_lease_alive(prefill_factory: Any) -> None
     summary = child_summary(d)
     assert summary["verified"] == 1
     # The handshake stalls 2 s, twice the 1 s lease: only D's heartbeats kept it alive.
-    assert "push.p.lease_expired" not in p.side.bus.metrics
-    heartbeats = [r for r in p.side.bus.machine(P_LEASE).routes if r.edge[1] == "heartbeat"]
+    rank = p.side.ranks[0]
+    assert "push.p.lease_expired" not in rank.bus.metrics
+    heartbeats = [r for r in rank.bus.machine(P_LEASE).routes if r.edge[1] == "heartbeat"]
     assert any(r.taken for r in heartbeats), "a heartbeat extended the lease"
 
 
@@ -276,5 +280,6 @@ def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
     poll_until(lambda: (sent.update(p.step().finished_sending), len(sent) == 4)[1], 40, "reads")
     summary = child_summary(d)
     assert (summary["verified"], summary["failed"]) == (4, 0)
-    assert p.side.bus.metrics.get("pull.p.read_by_d") == 4, "freed by D's notif, not expiry"
-    assert p.side.bus.counters(PULL_P_LEASE).live == 0
+    rank = p.side.ranks[0]
+    assert rank.bus.metrics.get("pull.p.read_by_d") == 4, "freed by D's notif, not expiry"
+    assert rank.bus.counters(PULL_P_LEASE).live == 0

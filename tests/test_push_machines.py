@@ -1,64 +1,218 @@
-"""Push-mode machines, one by one: model-based tests with full transition coverage."""
+"""Push-mode machines, one by one: model-based tests with full transition coverage.
+
+Payloads are drawn from small sets, so the guards meet both sides of every decision: a
+rank that reports twice, a completion from an agent of another engine, a `PUSH_REG` of
+another attempt of the same base id, a late handshake result of an earlier attempt.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from hypothesis import strategies as st
 
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.effects import ReplayPush, ReplayRegistration
-from kvhandoff.machines.push.handshake import HANDSHAKE, Ensure
+from kvhandoff.machines.push.d_request import D_REQUEST
+from kvhandoff.machines.push.effects import RankRegistration, ReplayPush, ReplayRegistration
+from kvhandoff.machines.push.events import (
+    Completion,
+    Drained,
+    Heartbeat,
+    Matched,
+    RankEnded,
+    RankPosted,
+    RankReceived,
+    RankRecvFailed,
+    RankSent,
+    WriteError,
+    WriteFailed,
+)
+from kvhandoff.machines.push.match import MATCH, BlocksArrived, Issued, RegArrived, Revoke
 from kvhandoff.machines.push.p_lease import P_LEASE
+from kvhandoff.machines.push.p_request import P_REQUEST
+from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE, Cancel, Ensure, Failed, Succeeded
+from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.push_wire import PushRegistration
 from kvhandoff.testing import run_model_test
 
-REG = PushRegistration(
-    request_id="cmpl-1-0-aaaaaaaa",
-    decode_engine_id="D",
-    decode_host="127.0.0.1",
-    decode_port=5600,
-    decode_tp_size=1,
-    decode_tp_rank=0,
-    block_ids=(1, 2),
-    remote_engine_id="P",
-    remote_host="127.0.0.1",
-    remote_port=5500,
-    remote_tp_size=1,
-)
+
+def reg(request_id: str = "cmpl-1-0-aaaaaaaa", **fields: object) -> PushRegistration:
+    values: dict[str, object] = {
+        "request_id": request_id,
+        "decode_engine_id": "D",
+        "decode_host": "127.0.0.1",
+        "decode_port": 5600,
+        "decode_tp_size": 1,
+        "decode_tp_rank": 0,
+        "block_ids": (1, 2),
+        "remote_engine_id": "P",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5500,
+        "remote_tp_size": 1,
+        **fields,
+    }
+    return PushRegistration(**values)  # type: ignore[arg-type]
 
 
-def test_R_P02_R_P10_d_registration_model() -> None:
+RANKS = st.integers(0, 2)
+
+
+def _walk(
+    decl: Declaration[Any], fields: dict[str, Any], events: list[Event]
+) -> set[tuple[str, str, str]]:
+    """The edges one scripted sequence takes on a fresh instance. The random walks'
+    coverage depends on what Hypothesis draws (which follows the constants of every
+    loaded module), so the deepest guarded edges are also walked on purpose."""
+    bus = EventBus()
+    machine = bus.register(decl)
+    bus.create(decl, decl.new_context("walk", dict(fields)), 0.0)
+    for event in events:
+        bus.dispatch(decl, "walk", event, 0.0)
+    return set(machine.taken_edges())
+
+
+def test_R_T02_R_P10_d_request_model() -> None:
+    def reported_ranks_are_real(inst: Instance[object]) -> None:
+        ctx = inst.ctx
+        assert ctx.reported <= set(range(3))  # type: ignore[attr-defined]
+
+    coverage = run_model_test(
+        D_REQUEST,
+        context=st.fixed_dictionaries({"block_ids": st.just((1, 2)), "ranks": st.integers(1, 3)}),
+        payloads={
+            RankReceived: st.builds(RankReceived, RANKS),
+            RankRecvFailed: st.builds(RankRecvFailed, RANKS, st.sampled_from(["", "x"])),
+            RankEnded: st.builds(RankEnded, RANKS),
+            RankPosted: st.builds(RankPosted, RANKS),
+        },
+        invariants=[reported_ranks_are_real],
+        max_examples=300,
+        require_full_coverage=False,
+    )
+    failed_then_received = [Drained(), RankRecvFailed(0, "x"), RankReceived(1)]
+    coverage.add(_walk(D_REQUEST, {"block_ids": (1, 2), "ranks": 2}, failed_then_received))
+    coverage.assert_complete()
+
+
+def test_R_T02_R_P03_p_request_model() -> None:
+    run_model_test(
+        P_REQUEST,
+        context=st.fixed_dictionaries({"block_ids": st.just((1, 2)), "ranks": st.integers(1, 3)}),
+        payloads={RankSent: st.builds(RankSent, RANKS)},
+        max_examples=200,
+    )
+
+
+def test_R_P02_S_02_R_T04_d_registration_model() -> None:
+    notified = {
+        "sender": st.just("agent"),
+        "engine": st.sampled_from(["P", "P", "P", "X", None]),
+        "rank": st.sampled_from([0, 1, 0, 1, 3, None]),
+    }
     run_model_test(
         D_REGISTRATION,
         context=st.fixed_dictionaries(
-            {"registration": st.just(REG), "completions_needed": st.integers(1, 2)}
+            {
+                "registration": st.just(reg(remote_pp_size=2)),
+                "writers": st.sampled_from([frozenset({0}), frozenset({0, 1})]),
+            }
         ),
+        payloads={
+            Completion: st.builds(Completion, **notified, tp_size=st.sampled_from([1, 2])),
+            WriteFailed: st.builds(WriteFailed, **notified, reason=st.just("x")),
+        },
         max_examples=400,
     )
 
 
-def test_R_P03_R_P11_p_lease_model() -> None:
+def test_R_P03_R_P11_B10_p_lease_model() -> None:
     run_model_test(
         P_LEASE,
         context=st.fixed_dictionaries({"block_ids": st.just((1, 2))}),
-        max_examples=200,
+        payloads={
+            Matched: st.builds(Matched, engine=st.just("D")),
+            Heartbeat: st.builds(Heartbeat, engine=st.sampled_from(["D", "X", None])),
+            WriteError: st.builds(WriteError, st.sampled_from([(), (0,)])),
+        },
+        max_examples=300,
     )
 
 
-OPS = st.sampled_from([ReplayRegistration("d-1", REG), ReplayPush("p-1", (3, 4), REG)])
+D_IDS = st.sampled_from(["cmpl-1-0-aaaaaaaa", "cmpl-1-0-bbbbbbbb"])
+P_IDS = st.sampled_from(["cmpl-1-0-0a0a0a0a", "cmpl-1-0-0b0b0b0b"])
 
 
-def test_R_P05_handshake_model() -> None:
-    def replayed_or_deferred(inst: Instance[object]) -> None:
+@st.composite
+def reg_arrivals(draw: st.DrawFn) -> RegArrived:
+    """D TP 2 into P TP 1: the slot needs both D ranks' registrations."""
+    rank = draw(st.integers(0, 1))
+    blocks = draw(st.sampled_from([(1, 2), (1, 3)]))
+    registration = reg(draw(D_IDS), decode_tp_size=2, decode_tp_rank=rank, block_ids=blocks)
+    return RegArrived(RankRegistration(rank, registration, f"d-agent{rank}"))
+
+
+def test_R_P04_S_03_match_model() -> None:
+    def holds_only_waiting_registrations(inst: Instance[object]) -> None:
+        ctx = inst.ctx
+        if inst.has("write_pending") or inst.has("tombstone"):
+            assert not ctx.regs  # type: ignore[attr-defined]
+
+    coverage = run_model_test(
+        MATCH,
+        context=st.fixed_dictionaries({"p_tp": st.just(1), "p_tp_rank": st.just(0)}),
+        payloads={
+            RegArrived: reg_arrivals(),
+            BlocksArrived: st.builds(BlocksArrived, P_IDS, st.just((7, 8))),
+            Revoke: st.builds(Revoke, P_IDS),
+            Issued: st.builds(Issued, P_IDS),
+        },
+        invariants=[holds_only_waiting_registrations],
+        max_examples=500,
+        require_full_coverage=False,
+    )
+    d_id, p_id = "cmpl-1-0-aaaaaaaa", "cmpl-1-0-0a0a0a0a"
+    regs = [
+        RegArrived(
+            RankRegistration(
+                rank, reg(d_id, decode_tp_size=2, decode_tp_rank=rank), f"d-agent{rank}"
+            )
+        )
+        for rank in (0, 1)
+    ]
+    # Both D ranks register, then P's blocks complete the match; the push is issued and a
+    # late duplicate PUSH_REG of the served attempt meets the tombstone.
+    walk = [*regs, BlocksArrived(p_id, (7, 8)), Issued(p_id), regs[0]]
+    coverage.add(_walk(MATCH, {"p_tp": 1, "p_tp_rank": 0}, walk))
+    coverage.assert_complete()
+
+
+OPS = st.sampled_from(
+    [
+        ReplayRegistration("d-1", reg()),
+        ReplayPush("p-1", (3, 4), "D", (RankRegistration(0, reg(), "d-agent"),)),
+    ]
+)
+
+
+def test_R_P05_B11_remote_engine_model() -> None:
+    def deferring_only_while_handshaking(inst: Instance[object]) -> None:
         deferred = inst.ctx.deferred  # type: ignore[attr-defined]
         assert inst.has("deferring") or not deferred, "only a handshake in progress defers"
 
     run_model_test(
-        HANDSHAKE,
+        REMOTE_ENGINE,
         context=st.fixed_dictionaries({"host": st.just("127.0.0.1"), "port": st.just(5500)}),
-        payloads={Ensure: OPS.map(Ensure)},
-        invariants=[replayed_or_deferred],
-        max_examples=200,
+        payloads={
+            Ensure: OPS.map(Ensure),
+            Succeeded: st.builds(Succeeded, st.sampled_from([1, 1, 1, 0, 2])),
+            Failed: st.builds(Failed, st.sampled_from([1, 1, 0, 2])),
+            Cancel: st.builds(Cancel, st.sampled_from(["d-1", "p-1"])),
+        },
+        invariants=[deferring_only_while_handshaking],
+        max_examples=600,
     )
 
 
@@ -71,7 +225,7 @@ def test_B09_pull_machines_model() -> None:
     run_model_test(
         D_READ,
         context=st.fixed_dictionaries({"source": st.just(source), "block_ids": st.just((3, 4))}),
-        max_examples=200,
+        max_examples=300,
     )
     run_model_test(
         PULL_P_LEASE,
@@ -83,7 +237,7 @@ def test_B09_pull_machines_model() -> None:
 def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:
     from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
     from kvhandoff.machines.push.effects import ReleaseTransfer, ReportFailedRecving
-    from kvhandoff.machines.push.events import Drained, Enqueued, Poll, ReadPosted
+    from kvhandoff.machines.push.events import Enqueued, Poll, ReadPosted
     from kvhandoff.machines.runtime.bus import EventBus
     from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
 
@@ -91,7 +245,7 @@ def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:
     bus.register(D_READ, {"push_write_timeout": 5.0})
     source = PullSource(PrefillCoordinates("P", "127.0.0.1", 5500, 1), "p-1", (1, 2))
     bus.create(D_READ, DReadCtx("d-1", source, (3, 4)), 0.0)
-    for event in (Drained(), Enqueued(), ReadPosted(), Poll()):  # the first poll starts it
+    for event in (Enqueued(), ReadPosted(), Poll()):  # the first poll starts it
         bus.dispatch(D_READ, "d-1", event, 0.0)
     bus.drain_outbox()
     assert bus.fire_due(5.0) == 1

@@ -46,6 +46,7 @@ class PushPairModel(RuleBasedStateMachine):
     @initialize(seed=st.integers(0, 2**16))
     def start(self, seed: int) -> None:
         # The seed only draws request suffixes and block choices; Hypothesis orders events.
+        # The seed also draws the topology (TP/PP of each side) and the cluster key.
         self.world = SimulatedPushWorld(seed, settings=SimSettings(leg_spread_s=0.0))
 
     def _alive(self, role: str) -> bool:
@@ -69,10 +70,12 @@ class PushPairModel(RuleBasedStateMachine):
         if self._alive(role):
             self.world.step(role)
 
-    @rule(role=ROLES)
-    def writer_pass(self, role: str) -> None:
+    @rule(role=ROLES, data=st.data())
+    def writer_pass(self, role: str, data: st.DataObject) -> None:
+        """One pass of any rank's writer thread."""
         if self._alive(role):
-            self.world.writer_pass(role)
+            ranks = len(self.world.engine(role).transports)
+            self.world.writer_pass(role, self._pick(data, ranks, "rank"))
 
     @rule(seconds=st.sampled_from([0.0, 0.01, 0.2]))
     def run_a_while(self, seconds: float) -> None:

@@ -2,11 +2,11 @@
 boundary is plain data.
 
 A completion notif and a `PUSH_FAIL` for the same request, in either order, duplicated,
-or arriving after the request ended, used to raise `LocalProtocolError` out of the decode
-worker's `get_finished` and kill the decode process. Now each is a peer event: one the
+or arriving after the request ended, once raised `LocalProtocolError` out of the decode
+worker's `get_finished` and killed the decode process. Each is a peer event: one the
 state does not declare is a `RemoteProtocolError` that the worker counts and logs per
-peer (S-06) and that changes no state (S-01). The same holds a level up, through a whole
-`PushSide` over the simulated fabric.
+peer (S-06) and that changes no state (S-01). A `PUSH_FAIL` counts like a completion
+(B-10). The same holds a level up, through a whole `PushSide` over the simulated fabric.
 """
 
 from __future__ import annotations
@@ -16,58 +16,50 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+from push_harness import P_AGENT, P_COORDS, Halves, from_p, report
 
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.effects import ForwardToMain, ReportToMain
+from kvhandoff.machines.push.effects import ReportToMain
 from kvhandoff.machines.push.events import Matched, RegSent
-from kvhandoff.machines.push.p_lease import P_LEASE
-from kvhandoff.machines.push.scheduler import (
-    LocalEngine,
+from kvhandoff.machines.push.meta import (
+    PullRead,
     PushConnectorMeta,
     PushConnectorOutput,
-    PushScheduler,
-    register_push_machines,
+    PushWorkerOutput,
 )
-from kvhandoff.machines.push.worker import PushWorker, WriterItem
-from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.protocol.legs import PrefillCoordinates, PullSource, decode_leg
+from kvhandoff.machines.push.p_lease import P_LEASE
+from kvhandoff.machines.push.worker import WriterItem
+from kvhandoff.protocol.legs import PullSource, decode_leg
 from kvhandoff.protocol.notifs import (
     CompletionNotif,
     WriteFailedNotif,
     encode_write_failed,
     parse_notif,
 )
-from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
-from kvhandoff.sim.push.settings import SimSettings
+from kvhandoff.sim.push.settings import SimSettings, Topology
 from kvhandoff.sim.push.world import SimulatedPushWorld
 
-P_COORDS = PrefillCoordinates("prefill-0", "10.0.0.1", 5600, 1)
-D_ENGINE = LocalEngine("decode-0", "10.0.0.2", 5700)
 RID = "cmpl-13-0-dddddddd"
-P_AGENT = "prefill-0-agent1"
-DONE = ForwardToMain(CompletionNotif(RID, 1), P_AGENT)
-FAIL = ForwardToMain(WriteFailedNotif(RID, "WRITE failed to post"), P_AGENT)
+DONE = from_p(CompletionNotif(RID, 1))
+FAIL = from_p(WriteFailedNotif(RID, "WRITE failed to post"))
 
 
 class Decode:
-    """D's scheduler and worker on one bus, at t = 0, with one registration sent."""
+    """D's scheduler and one rank, at t = 0, with one registration sent."""
 
     def __init__(self) -> None:
-        self.bus = EventBus()
-        register_push_machines(self.bus, PushConfig())
-        self.sched = PushScheduler(self.bus, "decode", D_ENGINE)
-        self.worker = PushWorker(self.bus, "decode", D_ENGINE, now=0.0)
+        self.halves = d = Halves("decode")
         params = decode_leg({}, P_COORDS)["kv_transfer_params"]
-        self.sched.update_state_after_alloc(RID, [1, 2], params, 0.0)
-        self.worker.start_load_kv(self.sched.build_connector_meta(0.0), 0.0)
-        self.worker.get_finished([ReportToMain(RID, RegSent())], 0.0)
-        assert self.bus.has_tag(D_REGISTRATION, RID, "needs_heartbeat")
+        d.sched.update_state_after_alloc(RID, [1, 2], params, 0.0)
+        d.step(report(RID, RegSent()))
+        d.step(report(RID, RegSent()))
+        assert d.bus.has_tag(D_REGISTRATION, RID, "receiving")
+        self.bus = d.bus
+        self.worker = d.worker
 
     def deliver(self, *items: WriterItem) -> PushConnectorOutput:
-        output = self.worker.get_finished(items, 1.0)  # must not raise
-        self.sched.update_connector_output(output, 1.0)
-        return output
+        return self.halves.step(items)  # must not raise
 
     @property
     def rejected(self) -> int:
@@ -80,7 +72,7 @@ def _quiet() -> Iterator[None]:
     logging.getLogger("kvhandoff").setLevel(logging.NOTSET)
 
 
-def test_S_01_S_06_B06_push_fail_right_after_the_completion_is_rejected_not_raised(
+def test_S_01_S_06_B10_push_fail_right_after_the_completion_is_rejected_not_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     d = Decode()
@@ -90,17 +82,17 @@ def test_S_01_S_06_B06_push_fail_right_after_the_completion_is_rejected_not_rais
     assert output.invalid_block_ids == set(), "the received blocks stay valid"
     assert d.rejected == 1
     assert d.worker.rejections.count(P_AGENT) == 1
-    assert d.bus.get(D_REGISTRATION, RID) is None, "received, confirmed, retired"
+    assert d.bus.get(D_REGISTRATION, RID) is None, "received and retired"
     assert d.bus.counters(D_REGISTRATION).errors == 0
     (warning,) = [r.getMessage() for r in caplog.records if "rejected notif" in r.getMessage()]
     assert P_AGENT in warning and "write_failed" in warning
 
 
-def test_S_01_S_06_B06_completion_right_after_a_push_fail_is_rejected_not_raised() -> None:
+def test_S_01_S_06_B10_completion_right_after_a_push_fail_is_rejected_not_raised() -> None:
     d = Decode()
     output = d.deliver(FAIL, DONE)
     assert output.finished_recving == set()
-    assert output.failed_recving == {RID: "P: WRITE failed to post"}
+    assert output.failed_recving == {RID: "P rank 0: WRITE failed to post"}
     assert output.invalid_block_ids == {1, 2}
     assert d.rejected == 1, "the completion names a request that already failed"
     assert d.bus.live(D_REGISTRATION) == 0
@@ -111,28 +103,28 @@ def test_S_01_S_06_R_P09_duplicated_notifs_change_nothing() -> None:
     output = failed.deliver(FAIL, FAIL)
     assert list(output.failed_recving) == [RID] and failed.rejected == 1
     received = Decode()
-    output = received.deliver(DONE, DONE)  # a duplicate before the engine confirms
+    output = received.deliver(DONE, DONE)
     assert output.finished_recving == {RID}
-    assert received.rejected == 0 and received.bus.counters(D_REGISTRATION).ignored == 1
+    assert received.rejected == 1, "the duplicate names a request already received"
     late = received.deliver(DONE, FAIL)  # both after the request ended
     assert late == PushConnectorOutput()
-    assert received.rejected == 2
+    assert received.rejected == 3
     assert received.bus.counters(D_REGISTRATION).errors == 0
 
 
 def test_S_01_S_06_R_P04_a_match_the_lease_cannot_take_is_rejected() -> None:
     """`Matched` follows D's PUSH_REG: refused in a state that does not declare it (the
-    lease's blocks were never staged), it is counted against the agent that sent it."""
-    bus = EventBus()
-    register_push_machines(bus, PushConfig())
-    engine = LocalEngine("prefill-0", "10.0.0.1", 5600)
-    sched = PushScheduler(bus, "prefill", engine)
-    worker = PushWorker(bus, "prefill", engine, now=0.0)
-    sched.request_finished("cmpl-14-0-0a0a0a0a", [3], {"do_remote_decode": True}, 0.0)
-    matched = ReportToMain("cmpl-14-0-0a0a0a0a", Matched(), peer="decode-0-agent1")
-    worker.get_finished([matched], 0.0)
-    assert worker.rejections.count("decode-0-agent1") == 1
-    assert bus.has_tag(P_LEASE, "cmpl-14-0-0a0a0a0a", "drainable"), "nothing changed"
+    lease was already bound by an earlier match), it is counted against the agent that
+    sent it."""
+    p = Halves("prefill")
+    rid = "cmpl-14-0-0a0a0a0a"
+    p.sched.request_finished(rid, [3], {"do_remote_decode": True}, 0.0)
+    p.hand_over()
+    p.finish(report(rid, Matched("decode-0")))
+    matched = ReportToMain(rid, Matched("decode-0"), peer="decode-0-agent1")
+    p.finish([matched])
+    assert p.worker.rejections.count("decode-0-agent1") == 1
+    assert p.bus.has_tag(P_LEASE, rid, "heartbeat_extends"), "nothing changed"
 
 
 # -- through a whole side over the simulated fabric ----------------------------------------
@@ -140,13 +132,14 @@ def test_S_01_S_06_R_P04_a_match_the_lease_cannot_take_is_rejected() -> None:
 
 def _world() -> SimulatedPushWorld:
     logging.getLogger("kvhandoff").setLevel(logging.CRITICAL)
-    return SimulatedPushWorld(5, settings=SimSettings(leg_spread_s=0.0))
+    settings = SimSettings(leg_spread_s=0.0, prefix_hit=0.0, retry=0.0)
+    return SimulatedPushWorld(5, settings=settings, topology=Topology(), keyed=False)
 
 
 def _push_fail_beside_each_completion(w: SimulatedPushWorld, *, before: bool) -> None:
     """D's agent sees a `PUSH_FAIL` for the same request right after (or right before)
     every completion notif, in the same `get_new_notifs` batch."""
-    transport = w.decode.transport
+    transport = w.decode.transports[0]
     get_new_notifs = transport.get_new_notifs
 
     def with_push_fail() -> list[tuple[str, bytes]]:
@@ -164,7 +157,7 @@ def _push_fail_beside_each_completion(w: SimulatedPushWorld, *, before: bool) ->
 
 
 @pytest.mark.parametrize("before", [False, True], ids=["fail-after", "fail-before"])
-def test_S_01_S_06_B06_the_decode_side_survives_completion_and_push_fail_together(
+def test_S_01_S_06_B10_the_decode_side_survives_completion_and_push_fail_together(
     before: bool,
 ) -> None:
     w = _world()
@@ -174,33 +167,48 @@ def test_S_01_S_06_B06_the_decode_side_survives_completion_and_push_fail_togethe
     assert w.ledger.violations == [], "no engine step raised"
     outcomes = {w.ledger.clients[c].d for c in clients}
     assert outcomes == ({"failed"} if before else {"received"})
-    assert w.decode.side.worker.rejected_notifs == 3, "one rejection per request"
+    assert w.decode.side.ranks[0].worker.rejected_notifs == 3, "one rejection per request"
     w.settle()
     result = w.final_check()
     assert result.ok, (result.violations, result.leftovers)
 
 
-# -- the scheduler <-> worker boundary -----------------------------------------------------
+# -- the scheduler <-> worker boundary (R-T01) -----------------------------------------------
 
 
-def test_R_P02_R_P03_R_P09_connector_meta_and_output_round_trip_through_msgpack() -> None:
+def test_R_T01_connector_meta_and_outputs_round_trip_through_msgpack() -> None:
     registration = PushRegistration(
         request_id=RID,
         decode_engine_id="decode-0",
         decode_host="10.0.0.2",
         decode_port=5700,
-        decode_tp_size=1,
+        decode_tp_size=2,
         decode_tp_rank=0,
         block_ids=(1, 2),
         remote_engine_id="prefill-0",
         remote_host="10.0.0.1",
         remote_port=5600,
         remote_tp_size=1,
+        remote_pp_size=2,
     )
+    source = PullSource(P_COORDS, "cmpl-13-1-0a0a0a0a", (4,))
     meta = PushConnectorMeta(
+        step=7,
         push_registrations={RID: registration},
         push_finished_blocks={"cmpl-13-0-0a0a0a0a": (7, 8, 9)},
-        pull_reads={"cmpl-13-1-dddddddd": PullSource(P_COORDS, "cmpl-13-1-0a0a0a0a", (4,))},
+        pull_reads={"cmpl-13-1-dddddddd": PullRead(source, (5,))},
+        ended=("cmpl-13-3-dddddddd",),
+        heartbeats={"prefill-0": (RID,)},
+    )
+    worker_output = PushWorkerOutput(
+        rank=1,
+        step=7,
+        finished_sending=("cmpl-13-0-0a0a0a0a",),
+        finished_recving=(RID,),
+        failed_recving={"cmpl-13-2-dddddddd": "P rank 0: WRITE failed to post"},
+        ended=("cmpl-13-3-dddddddd",),
+        posted=("cmpl-13-1-dddddddd",),
+        failures={"post": 1, "rejected": 2},
     )
     output = PushConnectorOutput(
         finished_sending={"cmpl-13-0-0a0a0a0a"},
@@ -208,9 +216,11 @@ def test_R_P02_R_P03_R_P09_connector_meta_and_output_round_trip_through_msgpack(
         failed_recving={"cmpl-13-2-dddddddd": "P: WRITE failed to post"},
         invalid_block_ids={5, 6},
     )
-    for record in (meta, output, PushConnectorMeta(), PushConnectorOutput()):
+    records: list[object] = [meta, worker_output, output, PushConnectorMeta()]
+    records += [PushConnectorOutput(), PushWorkerOutput(rank=0, step=0)]
+    for record in records:
         data = msgspec.msgpack.encode(record)
         assert msgspec.msgpack.decode(data, type=type(record)) == record
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=PushConnectorMeta)
-    assert decoded.pull_reads["cmpl-13-1-dddddddd"].prefill == P_COORDS
+    assert decoded.pull_reads["cmpl-13-1-dddddddd"].source.prefill == P_COORDS
     assert decoded.push_finished_blocks["cmpl-13-0-0a0a0a0a"] == (7, 8, 9)

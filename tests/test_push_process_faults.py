@@ -16,7 +16,7 @@ from kvhandoff.demo.launcher import go
 from kvhandoff.demo.push_instance import LivePushInstance
 from kvhandoff.demo.push_role import demo_requests
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.handshake import HANDSHAKE
+from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -30,13 +30,13 @@ def test_kill_decode_after_registration_then_restart() -> None:
         doomed = child("decode", *args, "--wait-go")
         go([doomed])
         first = Prefill(p, demo_requests(4, SEED))
-        pending = p.side.writer.pending_d_registrations
-        poll_until(lambda: (first.step(), len(pending) == 4)[1], 30, "four PUSH_REGs on P")
+        writer = p.side.ranks[0].writer
+        poll_until(lambda: (first.step(), writer.pending_count == 4)[1], 30, "four PUSH_REGs on P")
         doomed.proc.kill()  # kill -9 D after it registered
         doomed.proc.wait()
         first.finish_all()
         poll_until(first.all_sent, 20, "every lease resolved within its deadline")
-        assert p.side.bus.metrics.get("push.p.lease_expired") == 4
+        assert p.side.ranks[0].bus.metrics.get("push.p.lease_expired") == 4
         assert p.writer.alive and p.writer.errors == 0
         assert not p.side.scheduler.has_pending_push_work(), "no lease stays held"
 
@@ -57,7 +57,8 @@ def test_kill_prefill_after_registration_then_restart() -> None:
 
         def sent() -> bool:
             d.step()
-            return all(d.side.bus.has_tag(D_REGISTRATION, rid, "needs_heartbeat") for rid in blocks)
+            bus = d.side.ranks[0].bus
+            return all(bus.has_tag(D_REGISTRATION, rid, "receiving") for rid in blocks)
 
         poll_until(sent, 30, "three PUSH_REGs sent")
         doomed.proc.kill()  # kill -9 P after D registered
@@ -65,15 +66,15 @@ def test_kill_prefill_after_registration_then_restart() -> None:
 
         def dropped() -> bool:
             d.step()
-            return d.side.bus.metrics.get("push.d.watchdog_expired") == 3
+            return d.side.scheduler.bus.metrics.get("push.d.watchdog_expired") == 3
 
         poll_until(dropped, 20, "every registration resolved by the watchdog")
         assert not d.side.scheduler.has_pending_push_work()
 
         def forgotten() -> bool:
             d.step()
-            inst = d.side.writer_bus.get(HANDSHAKE, "prefill-0")
-            return inst is not None and not inst.has("peer_ready")
+            inst = d.side.ranks[0].writer_bus.get(REMOTE_ENGINE, "prefill-0")
+            return inst is None or not inst.has("peer_ready")
 
         poll_until(forgotten, 10, "the dead prefill agent forgotten (B-08)")
 
@@ -116,7 +117,7 @@ def test_R_P10_B08_kill_prefill_mid_write_then_restart() -> None:
         poll_until(lambda: (step(), len(received) >= 1)[1], 30, "the first WRITEs landed")
         doomed.proc.kill()  # kill -9 P mid-stream
         doomed.proc.wait()
-        metrics = d.side.bus.metrics
+        metrics = d.side.scheduler.bus.metrics
 
         def resolved() -> bool:
             step()
@@ -130,7 +131,8 @@ def test_R_P10_B08_kill_prefill_mid_write_then_restart() -> None:
         assert all(received.values()), "every completed receive holds P's bytes"
         assert set(received).isdisjoint(failed), "a receive ends once"
         assert all(reason for reason in failed.values()), "every failure carries a reason"
-        assert all(d.side.bus.get(D_REGISTRATION, rid) is None for rid in blocks), "none left live"
+        rank_bus = d.side.ranks[0].bus
+        assert all(rank_bus.get(D_REGISTRATION, rid) is None for rid in blocks), "none left live"
         assert not d.side.scheduler.has_pending_push_work()
         assert d.writer.alive and d.writer.errors == 0
 

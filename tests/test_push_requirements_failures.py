@@ -1,6 +1,6 @@
 """Push mode requirement by requirement, sans-IO: deadlines and failures — D's watchdog,
 P's lease, failed handshakes, sends and WRITEs, pending work, heartbeats (R-P10..R-P13,
-R-P15), B-06, B-07, B-08, and issue 3's bad input: counted, logged once per peer, no state
+R-P15), B-06, B-07, B-08, B-10, and bad input: counted, logged once per peer, no state
 change, the writer keeps running.
 
 Each test drives either the machines and the engine API directly on a `VirtualClock`, or
@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 from push_harness import (
     CONFIG,
+    D_AGENT,
     D_ENGINE,
-    MainSide,
+    Halves,
     Spy,
     clean,
     finish,
+    from_d,
     hold,
     registration,
     release,
@@ -30,15 +32,17 @@ from push_harness import (
 )
 
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.effects import (
     DropRemoteAgent,
-    ForwardToMain,
-    IssueWrite,
+    RevokeLease,
+    StageBlocks,
     StartHandshake,
 )
-from kvhandoff.machines.push.events import Matched, WritePosted
+from kvhandoff.machines.push.events import Matched, Revoked, WritePosted, WriteSubmitFailed
+from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.p_lease import P_LEASE
-from kvhandoff.machines.push.scheduler import PushConnectorOutput
+from kvhandoff.machines.push.p_request import P_REQUEST
 from kvhandoff.protocol.notifs import HeartbeatNotif, encode_heartbeat
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PUSH_REG_PREFIX, encode_push_reg
@@ -64,12 +68,13 @@ def test_R_P10_watchdog_drops_a_registration_and_never_resends_it(
     hold(w, "prefill")  # P never finishes: no WRITE, no completion
     w.run_for(1.0)
     d_id = w.ledger.clients[client].d_id or ""
-    assert w.decode.side.bus.get(D_REGISTRATION, d_id).state == "sent"  # type: ignore[union-attr]
+    assert w.decode.side.ranks[0].bus.has_tag(D_REGISTRATION, d_id, "receiving")
     logging.getLogger("kvhandoff").setLevel(logging.NOTSET)
     with caplog.at_level(logging.WARNING, logger="kvhandoff"):
         w.advance(w.settings.push.registration_timeout)
-        w.step("decode")  # build_connector_meta fires the watchdog
-    assert w.decode.side.bus.get(D_REGISTRATION, d_id) is None
+        w.step("decode")  # build_connector_meta fires the watchdog; every rank drops it
+    assert w.decode.side.scheduler.bus.get(D_REQUEST, d_id) is None
+    assert w.decode.side.ranks[0].bus.get(D_REGISTRATION, d_id) is None
     assert any("watchdog expired" in r.getMessage() for r in caplog.records)
     assert w.ledger.clients[client].d == "expired"  # the engine's abort path took it
     w.run_for(120.0)
@@ -81,33 +86,49 @@ def test_R_P10_watchdog_drops_a_registration_and_never_resends_it(
 # -- R-P11 P lease -------------------------------------------------------------------------
 
 
-def test_R_P11_expired_leases_are_reaped_in_get_finished_and_evicted() -> None:
-    p = MainSide("prefill")
+def test_R_P11_an_expired_lease_is_revoked_then_reaped_and_the_writer_forgets_it() -> None:
+    p = Halves("prefill")
     rid = "cmpl-11-0-0a0a0a0a"
     p.sched.request_finished(rid, [1, 2], {"do_remote_decode": True}, p.now)
-    p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
+    p.hand_over()
     p.effects()
     p.clock.advance(CONFIG.kv_lease_duration + 1)
     p.sched.build_connector_meta(p.now)
-    assert p.state(P_LEASE, rid) == "staged"  # P's leases are not reaped here
-    output = p.worker.get_finished((), p.now)
-    assert output.finished_sending == {rid}
-    evictions = [e for e in p.effects() if type(e).__name__ == "QueueEviction"]
-    assert [e.request_id for e in evictions] == [rid]  # type: ignore[attr-defined]
+    assert p.state(P_LEASE, rid) == "staged"  # P's leases are not reaped by the scheduler
+    output = p.finish()
+    assert output.finished_sending == () and p.state(P_LEASE, rid) == "revoking"
+    assert p.effects() == [RevokeLease(rid)]  # the writer posts nothing from it any more
+    output = p.finish(report(rid, Revoked()))
+    assert output.finished_sending == (rid,)
     assert p.retired == [(rid, "expired")]
 
 
 def test_R_P11_a_write_posted_just_before_expiry_keeps_its_blocks() -> None:
-    """The writer's report that a WRITE left is read before the expired lease is reaped."""
-    p = MainSide("prefill")
+    """A WRITE the writer posted before it saw the revocation suspends the lease: the
+    blocks are not freed under the DMA (no lock: the revocation is a typed command and
+    the writer's reports arrive in order)."""
+    p = Halves("prefill")
     rid = "cmpl-11-1-0a0a0a0a"
     p.sched.request_finished(rid, [1], {"do_remote_decode": True}, p.now)
-    p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
+    p.hand_over()
     p.clock.advance(CONFIG.kv_lease_duration + 1)  # the main thread stalled meanwhile
-    p.sched.build_connector_meta(p.now)
-    output = p.worker.get_finished(report(rid, Matched(), WritePosted()), p.now)
-    assert output.finished_sending == set()
+    output = p.finish(report(rid, Matched(D_ENGINE.engine_id), WritePosted()))
+    assert output.finished_sending == ()
     assert p.state(P_LEASE, rid) == "writing"
+    p.finish(report(rid, Revoked()))  # the writer's answer to nothing: ignored
+    assert p.state(P_LEASE, rid) == "writing"
+
+
+def test_R_P11_a_lease_revoked_before_its_match_is_never_written() -> None:
+    """The lease runs out while D's registration is still on its way: the writer takes
+    the revocation first, answers it, and a PUSH_REG that comes later finds no blocks."""
+    p = writer("prefill")
+    p.on_command(StageBlocks("cmpl-11-2-0a0a0a0a", (1,)), 0.0)
+    p.on_command(RevokeLease("cmpl-11-2-0a0a0a0a"), 0.0)
+    p.on_notif(D_AGENT, None, encode_push_reg(registration("cmpl-11-2-dddddddd")), 0.0)
+    effects = p.take_effects()
+    assert not any(type(e).__name__ in ("IssueWrite", "ReplayPush") for e in effects)
+    assert p.bus.has_tag(MATCH, "cmpl-11-2", "pending_registration")
 
 
 def test_R_P11_writer_drops_blocks_of_a_reaped_lease() -> None:
@@ -115,45 +136,12 @@ def test_R_P11_writer_drops_blocks_of_a_reaped_lease() -> None:
     client = w.issue(2)
     hold(w, "decode")
     w.run_for(1.0)
-    writer_core = w.prefill.side.writer
-    assert writer_core.push_finished_blocks and writer_core.self_polling
+    writer_core = w.prefill.side.ranks[0].writer
+    assert writer_core.awaiting_registration() and writer_core.self_polling
     w.advance(w.settings.push.kv_lease_duration + 1)
     w.run_for(1.0)
     assert w.ledger.clients[client].p == "freed"
-    assert not writer_core.push_finished_blocks and not writer_core.self_polling
-    clean(w)
-
-
-def test_R_P11_B06_a_lease_reaped_between_match_and_post_is_never_written() -> None:
-    """Two threads race: P's writer matched the blocks with D's registration and is about
-    to post the WRITE when P's main thread reaps the expired lease and frees the blocks.
-    The post checks the lease under the lock the reaping holds: nothing is written from
-    freed blocks, and D is told at once (B-06) instead of waiting for its watchdog."""
-    w = world()
-    spy = Spy(w)
-    client = w.issue(2)
-    d_leg = hold(w, "decode")
-    w.run_for(1.0)  # P finished; its blocks wait on the writer for D's registration
-    side = w.prefill.side
-    take_effects = side.writer.take_effects
-    reaped: list[set[str]] = []
-
-    def main_thread_reaps_in_between() -> list[object]:
-        effects = take_effects()
-        if any(isinstance(e, IssueWrite) for e in effects):
-            w.advance(w.settings.push.kv_lease_duration + 1)
-            reaped.append(side.get_finished().finished_sending)
-            w.prefill._account_prefill(PushConnectorOutput(finished_sending=reaped[-1]))
-        return effects
-
-    side.writer.take_effects = main_thread_reaps_in_between  # type: ignore[method-assign]
-    release(w, "decode", d_leg)
-    w.run_for(1.0)  # matches, reaps in between, declines the post
-    w.run_for(1.0)  # D reads the WRITE-failed notif
-    assert reaped and reaped[0], "the lease was reaped between the match and the post"
-    assert spy.writes == [], "no WRITE from blocks whose lease had ended"
-    assert w.ledger.clients[client].d == "failed", "D was told (B-06), not left waiting"
-    assert side.failed_transfers == 1
+    assert not writer_core.awaiting_registration() and not writer_core.self_polling
     clean(w)
 
 
@@ -177,10 +165,10 @@ def test_R_P12_push_reg_send_failure_fails_the_receive() -> None:
     client = w.issue(2)
     hold(w, "prefill")
 
-    def refuse(engine_id: str, message: bytes) -> None:
+    def refuse(engine_id: str, rank: int, message: bytes) -> None:
         raise SimTransportError("send_notif refused")
 
-    w.decode.transport.send_notif = refuse  # type: ignore[method-assign]
+    w.decode.transports[0].send_notif = refuse  # type: ignore[method-assign]
     w.run_for(1.0)
     assert w.ledger.clients[client].d == "failed"
     clean(w)
@@ -194,7 +182,6 @@ def test_R_P12_p_handshake_failure_is_logged_and_dropped_without_requeue(
     w.step("decode")
     w.writer_pass("decode")
     w.run_job("decode")
-    w.writer_pass("decode")  # replayed
     w.writer_pass("decode")  # PUSH_REG sent
     w.deliver(0)
     w.step("prefill")
@@ -207,30 +194,16 @@ def test_R_P12_p_handshake_failure_is_logged_and_dropped_without_requeue(
         w.run_for(0.01)
     assert any("push_handshake_failed" in r.getMessage() for r in caplog.records)
     p_id = w.ledger.clients[client].p_id or ""
-    assert p.side.bus.get(P_LEASE, p_id).state == "handshake_failed"  # type: ignore[union-attr]
-    assert not p.executor.jobs and not p.side.deferred_push_inbox  # no requeue, no retry
-    # D's heartbeats keep the lease alive while D waits; then D's watchdog drops the
-    # registration, the heartbeats stop, and the lease reclaims P's blocks.
+    rank = p.side.ranks[0]
+    assert rank.bus.get(P_LEASE, p_id).state == "handshake_failed"  # type: ignore[union-attr]
+    assert not p.executor.jobs  # no requeue, no retry
+    # The lease reclaims P's blocks (the seed); D's watchdog drops its registration.
     config = w.settings.push
-    w.run_for(config.registration_timeout + config.kv_lease_extension + 1)
+    w.run_for(config.registration_timeout + 1)
     record = w.ledger.clients[client]
     assert record.p == "freed" and record.d == "expired"
     assert record.finished_sending == 1
     finish(w)
-
-
-def test_R_P12_p_write_submit_failure_is_counted_without_a_failed_receive_on_p() -> None:
-    w = world()
-    client = w.issue(2)
-    w.network.fail_next_write_posts = 1
-    w.run_for(0.5)
-    p = w.prefill
-    assert p.side.failed_transfers == 1
-    p_id = w.ledger.clients[client].p_id or ""
-    assert p.side.bus.get(P_LEASE, p_id).state == "write_failed"  # type: ignore[union-attr]
-    assert w.ledger.clients[client].p == "leased"  # freed later by the lease
-    finish(w)
-    assert w.ledger.clients[client].finished_sending == 1
 
 
 # -- R-P13 keep stepping -------------------------------------------------------------------
@@ -252,14 +225,17 @@ def test_R_P13_has_pending_push_work_while_anything_is_in_flight() -> None:
 # -- R-P15 base path -----------------------------------------------------------------------
 
 
-def test_R_P15_defaults_lease_30_heartbeat_5_extension_20() -> None:
+def test_R_P15_defaults_lease_30_heartbeat_5_extension_20_derived_from_the_lease() -> None:
     config = PushConfig()
-    assert (config.kv_lease_duration, config.heartbeat_interval) == (30.0, 5.0)
-    assert config.kv_lease_extension == 20.0
+    assert (config.kv_lease_duration, config.heartbeat_every) == (30.0, 5.0)
+    assert config.lease_extension == 20.0
     assert config.registration_timeout == config.decoder_kv_blocks_ttl
+    short = PushConfig(kv_lease_duration=12.0)  # vLLM 0.33: 2/3 and 1/6 of the lease
+    assert (short.lease_extension, short.heartbeat_every) == (8.0, 2.0)
+    assert PushConfig(kv_lease_duration=12.0, heartbeat_interval=1.0).heartbeat_every == 1.0
 
 
-def test_R_P15_heartbeats_leave_every_interval_for_sent_registrations() -> None:
+def test_R_P15_heartbeats_leave_every_interval_for_enqueued_registrations() -> None:
     w = world()
     spy = Spy(w)
     client = w.issue(1)
@@ -275,45 +251,67 @@ def test_R_P15_heartbeats_leave_every_interval_for_sent_registrations() -> None:
     clean(w)
 
 
-# -- B-06, B-07, B-08 ----------------------------------------------------------------------
+# -- B-06 / B-10, B-07, B-08 ------------------------------------------------------------
 
 
-def test_B06_write_failed_notif_fails_d_at_once() -> None:
+def test_B06_B10_a_write_that_fails_to_post_frees_p_at_once_and_fails_d_at_once() -> None:
     w = world()
     client = w.issue(2)
     w.network.fail_next_write_posts = 1
-    w.run_for(0.5)  # far below any watchdog
-    assert w.ledger.clients[client].d == "failed"
-    assert w.ledger.clients[client].p == "leased"
+    w.run_for(0.5)  # far below any watchdog or lease
+    record = w.ledger.clients[client]
+    assert record.d == "failed"
+    assert record.p == "freed", "B-10: nothing is in flight, the blocks are freed at once"
+    assert w.prefill.side.failed_transfers == 1
+    assert w.prefill.side.stats()["post"] == 1  # B-14
+    finish(w)
+
+
+def test_B10_a_write_that_ends_in_error_frees_p_at_once_and_tells_d() -> None:
+    w = world()
+    client = w.issue(2)
+    w.network.faults = w.network.faults.__class__(write_error=1.0)
+    w.run_for(1.0)
+    record = w.ledger.clients[client]
+    assert (record.p, record.d) == ("freed", "failed")
+    assert w.prefill.side.stats()["transfer_error"] == 1
+    assert w.decode.side.stats()["transfer_error"] == 1
+    w.network.faults = w.network.faults.__class__()
     finish(w)
 
 
 def test_B07_leases_are_reaped_in_deadline_order_despite_out_of_order_renewals() -> None:
-    p = MainSide("prefill")
-    for n in range(3):  # leases A, B, C finish at t = 0, 1, 2: deadlines 30, 31, 32
-        p.sched.request_finished(f"cmpl-70-{n}-0a0a0a0a", [n], {"do_remote_decode": True}, p.now)
-        p.worker.start_load_kv(p.sched.build_connector_meta(p.now), p.now)
-        p.clock.advance(1.0)
+    def lease_three(p: Halves, group: int) -> None:
+        for n in range(3):  # leases finish at t = 0, 1, 2: deadlines 30, 31, 32
+            rid = f"cmpl-{group}-{n}-0a0a0a0a"
+            p.sched.request_finished(rid, [n], {"do_remote_decode": True}, p.now)
+            p.hand_over()
+            p.finish(report(rid, Matched(D_ENGINE.engine_id)))
+            p.clock.advance(1.0)
+
+    p = Halves("prefill")
+    lease_three(p, 70)
     p.clock.jump_to(15.0)
-    p.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-70-2-dddddddd",)), "d")], p.now)
+    p.finish([from_d(HeartbeatNotif(("cmpl-70-2-dddddddd",)))])
     p.clock.jump_to(16.0)
-    p.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-70-0-dddddddd",)), "d")], p.now)
+    p.finish([from_d(HeartbeatNotif(("cmpl-70-0-dddddddd",)))])
     # Now A = 36, B = 31, C = 35.
-    reaped = []
+    order = []
     for when in (31.5, 35.5, 36.5):
         p.clock.jump_to(when)
-        reaped.append(sorted(p.worker.get_finished((), p.now).finished_sending))
-    assert reaped == [["cmpl-70-1-0a0a0a0a"], ["cmpl-70-2-0a0a0a0a"], ["cmpl-70-0-0a0a0a0a"]]
-    p2 = MainSide("prefill")
-    for n in range(3):
-        p2.sched.request_finished(f"cmpl-71-{n}-0a0a0a0a", [n], {"do_remote_decode": True}, p2.now)
-        p2.worker.start_load_kv(p2.sched.build_connector_meta(p2.now), p2.now)
-        p2.clock.advance(1.0)
+        p.finish()
+        revoked = [e.request_id for e in p.effects() if isinstance(e, RevokeLease)]
+        order.append(revoked)
+        p.finish([r for rid in revoked for r in report(rid, Revoked())])
+    assert order == [["cmpl-70-1-0a0a0a0a"], ["cmpl-70-2-0a0a0a0a"], ["cmpl-70-0-0a0a0a0a"]]
+    assert [key for key, _ in p.retired] == [rid for (rid,) in order]
+    p2 = Halves("prefill")
+    lease_three(p2, 71)
     p2.clock.jump_to(15.0)  # A renewed to 35, after B (31) and C (32)
-    p2.worker.get_finished([ForwardToMain(HeartbeatNotif(("cmpl-71-0-dddddddd",)), "d")], p2.now)
+    p2.finish([from_d(HeartbeatNotif(("cmpl-71-0-dddddddd",)))])
     p2.clock.jump_to(100.0)  # everything at once: still deadline order
-    p2.worker.get_finished((), p2.now)
-    assert [key for key, _ in p2.retired] == [
+    p2.finish()
+    assert [e.request_id for e in p2.effects() if isinstance(e, RevokeLease)] == [
         "cmpl-71-1-0a0a0a0a",
         "cmpl-71-2-0a0a0a0a",
         "cmpl-71-0-0a0a0a0a",
@@ -322,16 +320,16 @@ def test_B07_leases_are_reaped_in_deadline_order_despite_out_of_order_renewals()
 
 def test_B08_a_lost_peer_is_forgotten_and_the_next_operation_re_handshakes() -> None:
     p = writer("prefill")
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-80-0-dddddddd")), 0.0)
-    p.on_finished_blocks("cmpl-80-0-0a0a0a0a", (1,), 0.0)
-    p.on_handshake_result(D_ENGINE.engine_id, True, 0.0)
+    p.on_notif(D_AGENT, None, encode_push_reg(registration("cmpl-80-0-dddddddd")), 0.0)
+    p.on_command(StageBlocks("cmpl-80-0-0a0a0a0a", (1,)), 0.0)
+    p.on_handshake_result(D_ENGINE.engine_id, 1, True, 0.0)
     p.take_effects()
     assert p.is_connected(D_ENGINE.engine_id)
     p.on_peer_lost(D_ENGINE.engine_id, 0.0)
     assert p.take_effects() == [DropRemoteAgent(D_ENGINE.engine_id)]
-    p.on_notif("d-agent", encode_push_reg(registration("cmpl-80-1-dddddddd")), 0.0)
-    p.on_finished_blocks("cmpl-80-1-0a0a0a0a", (2,), 0.0)
-    assert StartHandshake(D_ENGINE.engine_id, D_ENGINE.host, D_ENGINE.port) in p.take_effects()
+    p.on_notif(D_AGENT, None, encode_push_reg(registration("cmpl-80-1-dddddddd")), 0.0)
+    p.on_command(StageBlocks("cmpl-80-1-0a0a0a0a", (2,)), 0.0)
+    assert StartHandshake(D_ENGINE.engine_id, D_ENGINE.host, D_ENGINE.port, 2) in p.take_effects()
 
 
 def test_B08_a_restarted_decoder_is_re_handshaked_and_served() -> None:
@@ -339,14 +337,16 @@ def test_B08_a_restarted_decoder_is_re_handshaked_and_served() -> None:
     first = w.issue(1)
     w.run_for(1.0)
     assert w.ledger.clients[first].completed
-    old_agent = w.decode.transport.agent_name
+    old_agent = w.decode.transports[0].agent_name
     w.crash("decode")
     w.restart("decode")
-    assert w.decode.transport.agent_name != old_agent
+    new_agent = w.decode.transports[0].agent_name
+    assert new_agent != old_agent
     later = [w.issue(1) for _ in range(3)]
     w.run_for(w.settings.push.registration_timeout + 10)
     assert w.ledger.clients[later[-1]].completed
-    assert w.prefill.transport.peer("decode-0").agent_name == w.decode.transport.agent_name  # type: ignore[union-attr]
+    info = w.prefill.transports[0].engine("decode-0")
+    assert info is not None and info.agent(0) == new_agent
     finish(w)
 
 
@@ -358,7 +358,8 @@ def test_B08_a_registration_from_a_dead_decoder_is_never_written_into_its_succes
     w.run_for(0.0)  # PUSH_REG is on the wire from D's first agent
     assert spy.sent(PUSH_REG_PREFIX)
     w.run_for(0.01)  # and waits at P for blocks
-    assert w.prefill.side.writer.pending_d_registrations
+    rank = w.prefill.side.ranks[0]
+    assert rank.writer.pending_count == 1
     w.crash("decode")
     w.restart("decode")
     release(w, "prefill", late)
@@ -369,11 +370,11 @@ def test_B08_a_registration_from_a_dead_decoder_is_never_written_into_its_succes
     finish(w)
 
 
-# -- bad input (issue 3) -------------------------------------------------------------------
+# -- bad input -----------------------------------------------------------------------------
 
 
 def _inject(w: SimulatedPushWorld, role: str, peer: str, data: bytes) -> None:
-    w.engine(role).transport.inbox.append((peer, data))
+    w.engine(role).transports[0].inbox.append((peer, data))
 
 
 @pytest.mark.parametrize(
@@ -386,7 +387,7 @@ def _inject(w: SimulatedPushWorld, role: str, peer: str, data: bytes) -> None:
         ("prefill", b"HB:cmpl-404-0-dddddddd,cmpl-405-0-dddddddd", "HB for unknown ids"),
     ],
 )
-def test_R_P08_bad_input_is_counted_logged_once_per_peer_and_changes_nothing(
+def test_S_06_bad_input_is_counted_logged_once_per_peer_and_changes_nothing(
     role: str, data: bytes, what: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     w = world()
@@ -395,21 +396,18 @@ def test_R_P08_bad_input_is_counted_logged_once_per_peer_and_changes_nothing(
     assert w.ledger.clients[client].completed
     engine = w.engine(role)
     side = engine.side
-
-    def rejected() -> int:
-        return side.writer.rejected_notifs + side.worker.rejected_notifs
-
-    before = (rejected(), side.bus.live(P_LEASE), side.bus.live(D_REGISTRATION))
-    tables = (dict(side.writer.pending_d_registrations), dict(side.writer.push_finished_blocks))
+    rank = side.ranks[0]
+    before = (side.rejected_notifs(), rank.bus.live(P_LEASE), rank.bus.live(D_REGISTRATION))
+    slots = rank.writer_bus.live(MATCH)
     logging.getLogger("kvhandoff").setLevel(logging.NOTSET)
     with caplog.at_level(logging.WARNING, logger="kvhandoff"):
         for peer in ("bad-peer-1", "bad-peer-1", "bad-peer-2"):
             _inject(w, role, peer, data)
             w.writer_pass(role)
             w.step(role)
-    assert rejected() == before[0] + 3, what
-    assert (side.bus.live(P_LEASE), side.bus.live(D_REGISTRATION)) == before[1:]
-    assert (side.writer.pending_d_registrations, side.writer.push_finished_blocks) == tables
+    assert side.rejected_notifs() == before[0] + 3, what
+    assert (rank.bus.live(P_LEASE), rank.bus.live(D_REGISTRATION)) == before[1:]
+    assert rank.writer_bus.live(MATCH) == slots
     warned = [r.getMessage() for r in caplog.records if "rejected notif" in r.getMessage()]
     assert len(warned) == 2 and {m.split()[3].rstrip(":") for m in warned} == {
         "bad-peer-1",
@@ -418,4 +416,15 @@ def test_R_P08_bad_input_is_counted_logged_once_per_peer_and_changes_nothing(
     late = w.issue(2)  # the writer keeps running
     w.run_for(2.0)
     assert w.ledger.clients[late].completed
+    assert side.scheduler.bus.live(P_REQUEST) == 0 and side.scheduler.bus.live(D_REQUEST) == 0
     finish(w)
+
+
+def test_R_P12_WriteSubmitFailed_is_declared_on_the_lease() -> None:
+    """The writer's report of a WRITE that failed to post frees the blocks at once."""
+    p = Halves("prefill")
+    rid = "cmpl-12-9-0a0a0a0a"
+    p.sched.request_finished(rid, [1], {"do_remote_decode": True}, p.now)
+    p.hand_over()
+    output = p.finish(report(rid, Matched(D_ENGINE.engine_id), WriteSubmitFailed()))
+    assert output.finished_sending == (rid,) and output.failures == {"post": 1}

@@ -30,9 +30,13 @@ from kvhandoff.adapters.push_transport import PushTransport
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
+    HANDSHAKE_PROTOCOL_VERSION,
+    EngineHandshake,
     HandshakePayload,
     compatibility_hash,
+    decode_engine_handshake,
     decode_handshake,
+    encode_engine_handshake,
     encode_handshake,
 )
 from kvhandoff.protocol.member_routing import LocalRegion
@@ -46,6 +50,17 @@ MEMBERS_B = ("layers.0.v", "layers.0.k")
 HASH = compatibility_hash("kvhandoff-conformance", "model", "uint8", BLOCK_LEN)
 DEADLINE_S = 20.0
 T = TypeVar("T")
+ROUTES = {0: (1, 1)}  # one rank on each side: rank 0, whole blocks (R-T03)
+
+
+def one_rank_engine(transport: PushTransport) -> EngineHandshake:
+    """What a one-rank engine's side channel serves."""
+    payload = transport.handshake_payload()
+    return EngineHandshake(
+        protocol_version=HANDSHAKE_PROTOCOL_VERSION,
+        engine_id=payload.engine_id,
+        ranks=(payload,),
+    )
 
 
 class Side(Protocol):
@@ -78,7 +93,12 @@ class SimSide:
         )
         self.members = members
         self.host, self.port = f"sim-{engine_id}", 5600
-        self.transport.serve(self.host, self.port)
+        network.serve(
+            engine_id,
+            self.host,
+            self.port,
+            lambda: encode_engine_handshake(one_rank_engine(self.transport)),
+        )
 
     def fill(self, block: int, seed: int) -> None:
         for i, member in enumerate(self.members):
@@ -123,7 +143,12 @@ class NixlSide:
         ]
         self.agent = NixlAgent(f"{engine_id}-{secrets.token_hex(4)}")
         self.transport = NixlPushTransport(engine_id, self.agent, regions, compatibility_hash=HASH)
-        self.server = self.transport.serve("127.0.0.1", 0)
+        from kvhandoff.adapters.zmq.side_channel import SideChannelServer
+
+        transport = self.transport
+        self.server = SideChannelServer(
+            "127.0.0.1", 0, lambda: encode_engine_handshake(one_rank_engine(transport))
+        )
         self.host, self.port = "127.0.0.1", self.server.port
 
     def fill(self, block: int, seed: int) -> None:
@@ -184,7 +209,7 @@ def pair(harness: Harness) -> Harness:
     """Both sides connected to each other, nothing left in their notif queues."""
     for here, there in ((harness.a, harness.b), (harness.b, harness.a)):
         raw = here.transport.fetch_handshake(there.host, there.port, DEADLINE_S)
-        here.transport.connect(decode_handshake(raw))
+        here.transport.connect(decode_engine_handshake(raw), ROUTES)
     harness.pump()
     for side in (harness.a, harness.b):
         side.transport.get_new_notifs()
@@ -228,34 +253,45 @@ def test_R_P15_handshake_payload_round_trips_and_connects(pair: Harness) -> None
     a, b = pair.a, pair.b
     payload = a.transport.handshake_payload()
     assert decode_handshake(encode_handshake(payload)) == payload
-    served = decode_handshake(b.transport.fetch_handshake(a.host, a.port, DEADLINE_S))
+    engine = decode_engine_handshake(b.transport.fetch_handshake(a.host, a.port, DEADLINE_S))
+    (served,) = engine.ranks
+    assert engine.engine_id == payload.engine_id
     assert (served.engine_id, served.agent_name) == (payload.engine_id, payload.agent_name)
     assert served.region_members == tuple((m,) for m in MEMBERS_A)
-    info = b.transport.connect(served)
+    info = b.transport.connect(engine, ROUTES)
     assert info.engine_id == a.transport.engine_id
-    assert info.agent_name == payload.agent_name
-    assert (info.tp_size, info.physical_blocks_per_logical, info.capacity) == (1, 1, BLOCKS)
-    assert b.transport.peer(a.transport.engine_id) == info
+    assert info.agent(0) == payload.agent_name
+    rank = info.ranks[0]
+    assert (info.tp_size, rank.physical_blocks_per_logical, rank.capacity) == (1, 1, BLOCKS)
+    assert b.transport.engine(a.transport.engine_id) == info
+    assert b.transport.identify(payload.agent_name) == (payload.engine_id, 0)
+
+
+def _engine_of(payload: HandshakePayload) -> EngineHandshake:
+    return EngineHandshake(
+        protocol_version=HANDSHAKE_PROTOCOL_VERSION, engine_id=payload.engine_id, ranks=(payload,)
+    )
 
 
 def test_R_P15_an_incompatible_peer_is_refused(pair: Harness) -> None:
     payload = pair.a.transport.handshake_payload()
     other = msgspec.structs.replace(payload, compatibility_hash="0" * 64)
     with pytest.raises(RemoteProtocolError, match="compatibility_hash"):
-        pair.b.transport.connect(other)
+        pair.b.transport.connect(_engine_of(other), ROUTES)
 
 
 def test_R_P14_a_peer_missing_a_member_is_refused(pair: Harness) -> None:
     payload: HandshakePayload = pair.a.transport.handshake_payload()
     renamed = tuple((f"{m[0]}.other",) for m in payload.region_members)
     with pytest.raises(RemoteProtocolError, match="not advertised"):
-        pair.b.transport.connect(msgspec.structs.replace(payload, region_members=renamed))
+        renamed_payload = msgspec.structs.replace(payload, region_members=renamed)
+        pair.b.transport.connect(_engine_of(renamed_payload), ROUTES)
 
 
 def test_R_P08_send_notif_reaches_the_peer_tagged_with_the_sender(pair: Harness) -> None:
     a, b = pair.a, pair.b
-    a.transport.send_notif(b.transport.engine_id, b"HB:cmpl-1-0-aaaaaaaa")
-    b.transport.send_notif(a.transport.engine_id, b"PUSH_REG:x")
+    a.transport.send_notif(b.transport.engine_id, 0, b"HB:cmpl-1-0-aaaaaaaa")
+    b.transport.send_notif(a.transport.engine_id, 0, b"PUSH_REG:x")
     got_b = notifs_until(pair, b, 1)
     got_a = notifs_until(pair, a, 1)
     assert got_b == [(a.transport.handshake_payload().agent_name, b"HB:cmpl-1-0-aaaaaaaa")]
@@ -269,7 +305,7 @@ def test_R_P06_write_blocks_lands_bytes_by_member_then_the_completion_notif(
     a, b = pair.a, pair.b
     for block in (1, 2):
         a.fill(block, seed=7)
-    handle = a.transport.write_blocks(b.transport.engine_id, [1, 2], [5, 6], b"req-7-0:1")
+    handle = a.transport.write_blocks(b.transport.engine_id, 0, [1, 2], [5, 6], b"req-7-0:1")
     assert done(pair, a, handle) == "DONE"
     got = notifs_until(pair, b, 1)
     assert got == [(a.transport.handshake_payload().agent_name, b"req-7-0:1")]
@@ -283,7 +319,7 @@ def test_R_P06_write_blocks_lands_bytes_by_member_then_the_completion_notif(
 def test_B09_read_blocks_fetches_bytes_and_notifies_the_peer(pair: Harness) -> None:
     a, b = pair.a, pair.b
     b.fill(3, seed=11)
-    handle = a.transport.read_blocks(b.transport.engine_id, [4], [3], b"req-8-0:1")
+    handle = a.transport.read_blocks(b.transport.engine_id, 0, [4], [3], b"req-8-0:1")
     assert done(pair, a, handle) == "DONE"
     for member in MEMBERS_A:
         assert a.member_block(member, 4) == b.member_block(member, 3)
@@ -295,27 +331,29 @@ def test_B08_forget_then_reconnect_restores_the_peer(pair: Harness) -> None:
     a, b = pair.a, pair.b
     engine_b = b.transport.engine_id
     a.transport.forget(engine_b)
-    assert a.transport.peer(engine_b) is None
+    assert a.transport.engine(engine_b) is None
     with pytest.raises(LocalProtocolError, match="not connected"):
-        a.transport.send_notif(engine_b, b"HB:x")
+        a.transport.send_notif(engine_b, 0, b"HB:x")
     a.transport.forget(engine_b)  # forgetting twice is fine
-    a.transport.connect(decode_handshake(a.transport.fetch_handshake(b.host, b.port, DEADLINE_S)))
-    a.transport.send_notif(engine_b, b"HB:again")
+    raw = a.transport.fetch_handshake(b.host, b.port, DEADLINE_S)
+    a.transport.connect(decode_engine_handshake(raw), ROUTES)
+    a.transport.send_notif(engine_b, 0, b"HB:again")
     assert notifs_until(pair, b, 1)[0][1] == b"HB:again"
 
 
 def test_R_P15_an_unconnected_peer_is_a_local_error(pair: Harness) -> None:
     transport = pair.a.transport
-    assert transport.peer("nobody") is None
+    assert transport.engine("nobody") is None
+    assert transport.identify("nobody-agent") is None
     with pytest.raises(LocalProtocolError):
-        transport.send_notif("nobody", b"HB:x")
+        transport.send_notif("nobody", 0, b"HB:x")
     with pytest.raises(LocalProtocolError):
-        transport.write_blocks("nobody", [0], [0], b"x:1")
+        transport.write_blocks("nobody", 0, [0], [0], b"x:1")
 
 
 def test_R_P06_block_ids_out_of_range_are_local_errors(pair: Harness) -> None:
     a, engine_b = pair.a, pair.b.transport.engine_id
     with pytest.raises(LocalProtocolError):
-        a.transport.write_blocks(engine_b, [0], [BLOCKS], b"x:1")
+        a.transport.write_blocks(engine_b, 0, [0], [BLOCKS], b"x:1")
     with pytest.raises(LocalProtocolError):
-        a.transport.write_blocks(engine_b, [BLOCKS], [0], b"x:1")
+        a.transport.write_blocks(engine_b, 0, [BLOCKS], [0], b"x:1")

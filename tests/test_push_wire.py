@@ -202,7 +202,9 @@ def test_R_P02_decode_push_reg_on_mutated_maps_raises_only_remote_errors(
         assert exc.peer == PEER
     else:
         body = encode_push_reg(reg)[len(PUSH_REG_PREFIX) :]
-        assert msgspec.msgpack.decode(body) == msgspec.msgpack.decode(msgspec.msgpack.encode(raw))
+        sent = msgspec.msgpack.decode(msgspec.msgpack.encode(raw))
+        defaults = {"remote_pp_size": 1}  # optional fields come back with their default
+        assert msgspec.msgpack.decode(body) == {**defaults, **sent}
 
 
 # --- R-P06: block expansion and completion notif ----------------------------------

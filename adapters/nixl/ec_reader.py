@@ -5,12 +5,19 @@ regions into ours (R-E07, R-E11, B-08).
 (ours, the READ destination) is prepared once as a block descriptor list. A producer's
 agent is loaded from the metadata its `XferAck` carried, when that agent is new or its
 metadata changed (a producer restarted under the same engine id): no separate handshake
-(R-E11). The producer's region is prepared as descriptors too; the grant does not say
-how large that region is, so the prepared list grows to cover the highest granted block.
+(R-E11). Each loaded agent's lifecycle (loaded, reading, stale, forgotten) is an
+`ec.producer_agent` machine on the reader's own bus; the reader only executes its
+effects (`ForgetAgent`, `FailReads`). The producer's region is prepared as descriptors
+too; the grant does not say how large that region is, so the prepared list grows to
+cover the highest granted block.
 
-`poll()` reports each READ once, `(mm_hash, transfer_id, ok)`. A READ whose reader no
-longer waits for it (its quarantine ended) is released, which asks NIXL to cancel it. An
-agent whose peer went away (the control plane lost it, or NIXL said the remote
+Each posted READ's handle is an `ec.read_handle` machine on the same bus (posted,
+completed, released, or failed and reported when its agent was replaced).
+
+`poll()` reports each READ once, `(mm_hash, transfer_id, ok)`, after releasing its
+handle. `release(transfer_id)` releases a READ's handle at once (NIXL cancels the DMA):
+the consumer read asks for it when a quarantine ends, and frees the destination only
+after. An agent whose peer went away (the control plane lost it, or NIXL said the remote
 disconnected) is forgotten as soon as no READ uses it, so nothing keeps using a dead
 agent (B-08); the next grant brings its metadata again.
 """
@@ -20,10 +27,34 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any, cast
 
+from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.nixl.agent import NixlAgent, NixlTransferError, PreppedBlocks, XferHandle
 from kvhandoff.machines.ec.consumer_read import IssueRead
+from kvhandoff.machines.ec.producer_agent import (
+    EC_PRODUCER_AGENT,
+    AgentCtx,
+    Close,
+    FailReads,
+    ForgetAgent,
+    MetadataChanged,
+    PeerLost,
+    ReadEnded,
+    ReadPosted,
+)
+from kvhandoff.machines.ec.read_handle import (
+    EC_READ_HANDLE,
+    AgentReplaced,
+    Completed,
+    PostFailed,
+    ReadHandleCtx,
+    Released,
+    Reported,
+)
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.clock import Clock
+from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 
 __all__ = ["ECNixlReader", "ReadCompletion"]
@@ -34,38 +65,28 @@ ReadCompletion = tuple[str, str, bool]
 """`(mm_hash, transfer_id, ok)` of a READ that ended."""
 
 
-@dataclass(eq=False, slots=True)
-class _Remote:
-    """A producer agent loaded from the metadata of an `XferAck`."""
-
-    name: str
-    metadata: bytes
-    peer: tuple[str, int]
-    lists: dict[tuple[int, int], PreppedBlocks] = field(default_factory=dict)
-    reads: int = 0
-    stale: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Read:
-    mm_hash: str
-    handle: XferHandle
-    remote: _Remote
-
-
 class ECNixlReader:
     """NIXL READs from producers' regions into the `num_blocks` blocks at `region_addr`."""
 
     def __init__(
-        self, agent: NixlAgent, region_addr: int, block_size_bytes: int, num_blocks: int
+        self,
+        agent: NixlAgent,
+        region_addr: int,
+        block_size_bytes: int,
+        num_blocks: int,
+        *,
+        clock: Clock = real_clock,
     ) -> None:
         self.agent = agent
         self.block_size_bytes = block_size_bytes
         self.num_blocks = num_blocks
+        self.clock = clock
         self._local = agent.prep_local_blocks([(region_addr, block_size_bytes, num_blocks)])
-        self._remotes: dict[str, _Remote] = {}
-        self._reads: dict[str, _Read] = {}
-        self._failed: list[ReadCompletion] = []
+        self.bus = EventBus()
+        self.bus.register(EC_PRODUCER_AGENT)
+        self.bus.register(EC_READ_HANDLE)
+        self.bus.handle(ForgetAgent, self._forget_agent)
+        self.bus.handle(FailReads, self._fail_reads)
         self.agents_loaded = 0
         self.agents_forgotten = 0
         self.post_failures = 0
@@ -74,7 +95,8 @@ class ECNixlReader:
     # -- posting -----------------------------------------------------------------------
 
     def read(self, effect: IssueRead) -> None:
-        """Post the READ of `effect`; a `KvHandoffError` when it cannot be posted."""
+        """Post the READ of `effect`; a `KvHandoffError` when it cannot be posted (the
+        next `poll` then reports it failed, see `refused`)."""
         try:
             if effect.block_size_bytes != self.block_size_bytes:
                 raise RemoteProtocolError(
@@ -83,7 +105,7 @@ class ECNixlReader:
                 )
             if not effect.src_blocks or len(effect.src_blocks) != len(effect.dst_blocks):
                 raise RemoteProtocolError("grant and destination differ in block count")
-            if effect.transfer_id in self._reads:
+            if self.bus.get(EC_READ_HANDLE, effect.transfer_id) is not None:
                 raise LocalProtocolError(f"READ {effect.transfer_id!r} is already in flight")
             remote = self._remote_for(effect)
             remote_list = self._remote_list(
@@ -95,25 +117,38 @@ class ECNixlReader:
         except KvHandoffError as exc:
             self.post_failures += 1
             if isinstance(exc, NixlTransferError) and exc.peer_gone:
-                gone = self._remotes.get(effect.producer_agent_name)
-                if gone is not None:
-                    self._mark_stale(gone)
+                self._deliver(effect.producer_agent_name, PeerLost())
+            self.refused(effect)
             raise
-        remote.reads += 1
-        self._reads[effect.transfer_id] = _Read(effect.mm_hash, handle, remote)
+        self._deliver(remote.key, ReadPosted(effect.peer_host, effect.peer_port))
+        ctx = ReadHandleCtx(effect.transfer_id, effect.mm_hash, remote.key, handle)
+        self.bus.create(EC_READ_HANDLE, ctx, self.clock())
 
-    def _remote_for(self, effect: IssueRead) -> _Remote:
+    def refused(self, effect: IssueRead) -> None:
+        """The READ of `effect` could not be posted (NIXL refused it, or a fault did): the
+        next `poll` reports it failed (R-E08). A READ already posted under that transfer
+        id keeps its own handle and report."""
+        if self.bus.get(EC_READ_HANDLE, effect.transfer_id) is not None:
+            return
+        now = self.clock()
+        ctx = ReadHandleCtx(effect.transfer_id, effect.mm_hash, effect.producer_agent_name)
+        self.bus.create(EC_READ_HANDLE, ctx, now)
+        self.bus.dispatch(EC_READ_HANDLE, ctx.key, PostFailed(), now)
+
+    def _deliver(self, name: str, event: Any) -> None:
+        """`event` to agent `name`'s machine, if it is live."""
+        if self.bus.get(EC_PRODUCER_AGENT, name) is not None:
+            self.bus.dispatch(EC_PRODUCER_AGENT, name, event, self.clock())
+
+    def _remote_for(self, effect: IssueRead) -> AgentCtx:
         name, metadata = effect.producer_agent_name, bytes(effect.producer_agent_metadata)
-        peer = (effect.peer_host, effect.peer_port)
-        remote = self._remotes.get(name)
-        if remote is not None and remote.metadata != metadata:
+        remote = self.bus.get(EC_PRODUCER_AGENT, name)
+        if remote is not None and remote.ctx.metadata != metadata:
             # The same agent name with new metadata: the producer restarted (R-E11).
-            self._forget(remote, failing=True)
+            self._deliver(name, MetadataChanged())
             remote = None
         if remote is not None:
-            remote.stale = False
-            remote.peer = peer
-            return remote
+            return remote.ctx
         loaded = self.agent.add_remote(metadata)
         if loaded != name:
             with contextlib.suppress(KvHandoffError):
@@ -121,27 +156,27 @@ class ECNixlReader:
             raise RemoteProtocolError(
                 f"XferAck names agent {name!r} but carries metadata of {loaded!r}"
             )
-        remote = _Remote(name, metadata, peer)
-        self._remotes[name] = remote
+        ctx = AgentCtx(name, metadata, effect.peer_host, effect.peer_port)
         self.agents_loaded += 1
-        return remote
+        return self.bus.create(EC_PRODUCER_AGENT, ctx, self.clock()).ctx
 
-    def _remote_list(self, remote: _Remote, base: int, needed: int) -> PreppedBlocks:
+    def _remote_list(self, remote: AgentCtx, base: int, needed: int) -> PreppedBlocks:
         """The producer's region as prepared descriptors covering at least `needed`
         blocks: twice the old size when the producer registered that much, else exactly
         `needed`. A list a READ in flight may still use stays until the agent goes."""
         block_len = self.block_size_bytes
-        current = remote.lists.get((base, block_len))
+        lists = remote.prepped  # they go with the agent's machine
+        current = cast(PreppedBlocks | None, lists.get((base, block_len)))
         if current is not None and current.layout.num_descs >= needed:
             return current
         grown = 2 * current.layout.num_descs if current is not None else 0
         prepped: PreppedBlocks | None = None
         if grown > needed:
             with contextlib.suppress(NixlTransferError):
-                prepped = self.agent.prep_remote_blocks(remote.name, [(base, block_len, grown)])
+                prepped = self.agent.prep_remote_blocks(remote.key, [(base, block_len, grown)])
         if prepped is None:
-            prepped = self.agent.prep_remote_blocks(remote.name, [(base, block_len, needed)])
-        remote.lists[(base, block_len)] = prepped
+            prepped = self.agent.prep_remote_blocks(remote.key, [(base, block_len, needed)])
+        lists[(base, block_len)] = prepped
         return prepped
 
     # -- completion ----------------------------------------------------------------------
@@ -149,75 +184,91 @@ class ECNixlReader:
     def poll(self, awaited: Callable[[str, str], bool]) -> list[ReadCompletion]:
         """READs that ended since the last call. `awaited(mm_hash, transfer_id)` says
         whether someone still waits for a READ; one nobody awaits is cancelled."""
-        done, self._failed = self._failed, []
-        for transfer_id, read in list(self._reads.items()):
-            status = self.agent.poll(read.handle)
+        bus = self.bus
+        done: list[ReadCompletion] = []
+        for failed in bus.tagged(EC_READ_HANDLE, "unreported"):
+            done.append((failed.ctx.mm_hash, failed.ctx.key, False))
+            bus.dispatch(EC_READ_HANDLE, failed.key, Reported(), self.clock())
+        for inst in bus.tagged(EC_READ_HANDLE, "in_flight"):
+            read = inst.ctx
+            handle = cast(XferHandle, read.handle)
+            status = self.agent.poll(handle)
             if status == "PROC":
-                if not awaited(read.mm_hash, transfer_id):
+                if not awaited(read.mm_hash, read.key):
                     self.abandoned += 1  # its quarantine ended: cancel the DMA
-                    self._drop(transfer_id)
+                    self._drop(read, Released())
                 continue
-            error = read.handle.error or ""
-            self._drop(transfer_id)
+            error = handle.error or ""
+            self._drop(read, Completed(status == "DONE"))
             if status != "DONE":
                 log.warning("READ of %s failed: %s", read.mm_hash, error or "ERR")
                 if "RemoteDisconnect" in error:
-                    self._mark_stale(read.remote)
-            done.append((read.mm_hash, transfer_id, status == "DONE"))
+                    self._deliver(read.agent, PeerLost())
+            done.append((read.mm_hash, read.key, status == "DONE"))
         return done
 
-    def _drop(self, transfer_id: str) -> None:
-        read = self._reads.pop(transfer_id)
+    def release(self, transfer_id: str) -> bool:
+        """Release the handle of READ `transfer_id` now (NIXL cancels a DMA still running);
+        False when it had already ended and was released."""
+        read = self.bus.get(EC_READ_HANDLE, transfer_id)
+        if read is None or not read.has("in_flight"):
+            return False
+        self.abandoned += 1
+        self._drop(read.ctx, Released())
+        return True
+
+    def _drop(self, read: ReadHandleCtx, event: Completed | Released) -> None:
+        """Release a READ's handle (`event` ends its machine); its agent counts one READ
+        fewer."""
         try:
-            self.agent.release(read.handle)
+            self.agent.release(cast(XferHandle, read.handle))
         except KvHandoffError as exc:
             log.debug("releasing a READ handle: %s", exc)
-        read.remote.reads -= 1
-        if read.remote.stale and read.remote.reads == 0:
-            self._forget(read.remote)
+        self.bus.dispatch(EC_READ_HANDLE, read.key, event, self.clock())
+        self._deliver(read.agent, ReadEnded())
 
-    # -- agents --------------------------------------------------------------------------
+    # -- agents (the effects of their machines) ------------------------------------------
 
     def peer_lost(self, host: str, port: int) -> None:
         """The control plane lost the producer at `host:port`: forget its agents (B-08)."""
-        for remote in list(self._remotes.values()):
-            if remote.peer == (host, port):
-                self._mark_stale(remote)
+        for inst in self.bus.instances(EC_PRODUCER_AGENT):
+            ctx = inst.ctx
+            if (ctx.peer_host, ctx.peer_port) == (host, port):
+                self._deliver(ctx.key, PeerLost())
 
-    def _mark_stale(self, remote: _Remote) -> None:
-        remote.stale = True
-        if remote.reads == 0:
-            self._forget(remote)
+    def _fail_reads(self, inst: Instance[Any] | None, effect: FailReads) -> None:
+        """READs of a replaced agent cannot complete: release them, report them failed."""
+        for read in self.bus.tagged(EC_READ_HANDLE, "in_flight"):
+            if read.ctx.agent == effect.name:
+                with contextlib.suppress(KvHandoffError):
+                    self.agent.release(cast(XferHandle, read.ctx.handle))
+                self.bus.dispatch(EC_READ_HANDLE, read.key, AgentReplaced(), self.bus.now)
 
-    def _forget(self, remote: _Remote, *, failing: bool = False) -> None:
-        if self._remotes.get(remote.name) is remote:
-            del self._remotes[remote.name]
-        if failing:  # READs of a replaced agent cannot complete: report them failed
-            for transfer_id, read in list(self._reads.items()):
-                if read.remote is remote:
-                    self._drop(transfer_id)
-                    self._failed.append((read.mm_hash, transfer_id, False))
-        if remote.name not in self.agent.remotes:
+    def _forget_agent(self, inst: Instance[Any] | None, effect: ForgetAgent) -> None:
+        if effect.name not in self.agent.remotes:
             return
         try:
-            self.agent.remove_remote(remote.name)  # releases its prepared lists too
+            self.agent.remove_remote(effect.name)  # releases its prepared lists too
         except KvHandoffError as exc:
-            log.debug("forgetting agent %s: %s", remote.name, exc)
+            log.debug("forgetting agent %s: %s", effect.name, exc)
         self.agents_forgotten += 1
 
     # -- facts and teardown ----------------------------------------------------------------
 
     def in_flight(self) -> int:
-        return len(self._reads)
+        return len(self.bus.tagged(EC_READ_HANDLE, "in_flight"))
 
     def loaded_agents(self) -> dict[str, bytes]:
         """Producer agents loaded now: name -> the metadata they were loaded from."""
-        return {name: remote.metadata for name, remote in self._remotes.items()}
+        return {inst.ctx.key: inst.ctx.metadata for inst in self.bus.instances(EC_PRODUCER_AGENT)}
 
     def close(self) -> None:
-        """Release every READ handle (the agent itself belongs to the caller)."""
-        for read in self._reads.values():
+        """Release every READ handle and forget every agent (the NIXL agent itself
+        belongs to the caller)."""
+        now = self.clock()
+        for read in self.bus.tagged(EC_READ_HANDLE, "in_flight"):
             with contextlib.suppress(KvHandoffError):
-                self.agent.release(read.handle)
-        self._reads.clear()
-        self._remotes.clear()
+                self.agent.release(cast(XferHandle, read.ctx.handle))
+            self.bus.dispatch(EC_READ_HANDLE, read.key, Released(), now)
+        for inst in self.bus.instances(EC_PRODUCER_AGENT):
+            self._deliver(inst.ctx.key, Close())

@@ -1,10 +1,15 @@
-"""The real push transport: a NIXL agent for data and notifs, a ZMQ side channel for
-handshakes (R-P06, R-P14, R-P15, B-03, B-08).
+"""The real push transport of one worker rank: a NIXL agent for data and notifs
+(R-P06, R-P14, R-P15, R-T03, B-03, B-08).
 
-At construction the KV regions are registered once per physical allocation and the
-local descriptor list is prepared once, in member-major order (R-P14). `connect` adds the
-peer's agent, routes its regions by member and prepares its descriptor list once; every
-WRITE then addresses blocks by descriptor index.
+At construction the rank's KV regions are registered once per physical allocation and
+its local descriptor list is prepared in member-major order (R-P14). `connect` loads the
+agent of every rank of a remote engine, and for each rank this one moves data with it
+routes that rank's regions by member and prepares its descriptor list once, cut into the
+chunks the TP mapping asks for (a P rank whose TP is smaller than D's writes each D rank
+one chunk of its block; a larger one writes its whole block as one chunk of D's, R-T03).
+Every WRITE then addresses (block, chunk) pairs by descriptor index. The engine's side
+channel (one per engine, `kvhandoff.adapters.zmq.side_channel`) serves the ranks'
+payloads; this class only builds its own (`handshake_payload`).
 """
 
 from __future__ import annotations
@@ -15,14 +20,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvhandoff.adapters.nixl.agent import NixlAgent, PreppedBlocks, XferHandle
-from kvhandoff.adapters.push_transport import PeerInfo, TransferHandle, XferState
-from kvhandoff.adapters.zmq.side_channel import SideChannelServer, fetch_handshake
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.adapters.push_transport import (
+    EngineInfo,
+    RankInfo,
+    Routes,
+    TransferHandle,
+    XferState,
+)
+from kvhandoff.adapters.zmq.side_channel import fetch_handshake
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
+    EngineHandshake,
     HandshakePayload,
     accept_peer,
-    encode_handshake,
+    check_compatible,
 )
 from kvhandoff.protocol.member_routing import (
     LocalRegion,
@@ -30,13 +42,20 @@ from kvhandoff.protocol.member_routing import (
     RemoteRoute,
     derive_member_major_layout,
 )
+from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class _DataRank:
+    prepped: PreppedBlocks
+    route: RemoteRoute
+    chunks: int  # chunks per remote block in `prepped`
 
 
 @dataclass(frozen=True, slots=True)
 class _Peer:
-    info: PeerInfo
-    prepped: PreppedBlocks
-    route: RemoteRoute
+    info: EngineInfo
+    data: dict[int, _DataRank]
 
 
 class NixlPushTransport:
@@ -50,6 +69,7 @@ class NixlPushTransport:
         tp_size: int = 1,
         tp_rank: int = 0,
         pp_size: int = 1,
+        pp_rank: int = 0,
         is_decoder: bool = False,
         mem: str = "DRAM",
         device_id: int = 0,
@@ -58,12 +78,14 @@ class NixlPushTransport:
     ) -> None:
         self.engine_id = engine_id
         self.agent = agent
-        self.tp_size = tp_size
-        self.tp_rank = tp_rank
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.pp_size, self.pp_rank = pp_size, pp_rank
         self.mem = mem
         self.device_id = device_id
         self.physical_blocks_per_logical = physical_blocks_per_logical
         self.compatibility_hash = compatibility_hash
+        self.extensions: tuple[str, ...] = ()
+        self.auth_key_id = ""
         self.layout: MemberLayout = derive_member_major_layout(
             regions, pp_size=pp_size, is_decoder=is_decoder
         )
@@ -76,14 +98,24 @@ class NixlPushTransport:
                     agent.register_vram(alloc.base_addr, size, device_id)
                 else:
                     agent.register_dram(alloc.base_addr, size)
-        self._local = agent.prep_local_blocks(
-            [(s.base_addr, s.block_len, s.num_blocks) for s in self.layout.slots],
-            mem,  # type: ignore[arg-type]
-            device_id,
-        )
-        self._peers: dict[str, _Peer] = {}
-        self._agent_to_engine: dict[str, str] = {}
         self._lock = threading.Lock()  # connect runs on the executor, use on the writer
+        self._local: dict[int, PreppedBlocks] = {1: self._prep_local(1)}
+        self._peers: dict[str, _Peer] = {}
+        self._agents: dict[str, tuple[str, int]] = {}
+
+    @property
+    def agent_name(self) -> str:
+        return self.agent.name
+
+    def _prep_local(self, chunks: int) -> PreppedBlocks:
+        rows = []
+        for slot in self.layout.slots:
+            if slot.block_len % chunks:
+                raise RemoteProtocolError(
+                    f"a block of {slot.block_len} bytes does not split into {chunks} chunks"
+                )
+            rows.append((slot.base_addr, slot.block_len // chunks, slot.num_blocks * chunks))
+        return self.agent.prep_local_blocks(rows, self.mem, self.device_id)  # type: ignore[arg-type]
 
     def handshake_payload(self) -> HandshakePayload:
         allocations = self.layout.allocations
@@ -94,6 +126,8 @@ class NixlPushTransport:
             agent_metadata=self.agent.metadata(),
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
             kv_block_lens=tuple(a.block_len for a in allocations),
             num_blocks=tuple(a.num_blocks for a in allocations),
             region_base_addrs=tuple(a.base_addr for a in allocations),
@@ -101,49 +135,93 @@ class NixlPushTransport:
             backend=self.agent.backend,
             compatibility_hash=self.compatibility_hash,
             region_members=self.layout.region_members,
+            extensions=self.extensions,
+            auth_key_id=self.auth_key_id,
         )
 
-    def serve(self, host: str, port: int) -> SideChannelServer:
-        """Serve this engine's handshake payload on the ZMQ side channel (R-P15)."""
-        return SideChannelServer(host, port, lambda: encode_handshake(self.handshake_payload()))
+    def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
+        self.extensions = tuple(extensions)
+        self.auth_key_id = auth_key_id
 
     def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
         return fetch_handshake(host, port, timeout_s)
 
-    def connect(self, payload: HandshakePayload) -> PeerInfo:
-        route = accept_peer(self.handshake_payload(), self.layout, payload)
-        self.forget(payload.engine_id)
-        agent_name = self.agent.add_remote(payload.agent_metadata)
-        prepped = self.agent.prep_remote_blocks(
-            agent_name,
-            zip(payload.region_base_addrs, payload.kv_block_lens, payload.num_blocks, strict=True),
-            self.mem,  # type: ignore[arg-type]
-            self.device_id,
-        )
-        info = PeerInfo(
-            engine_id=payload.engine_id,
-            agent_name=agent_name,
-            tp_size=payload.tp_size,
-            physical_blocks_per_logical=payload.physical_blocks_per_logical,
-            capacity=min(route.capacities),
+    def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
+        local = self.handshake_payload()
+        for payload in engine.ranks:
+            check_compatible(local, payload, peer=engine.engine_id)
+        plans: dict[int, tuple[RemoteRoute, int, int]] = {}
+        for rank, (local_chunks, remote_chunks) in routes.items():
+            payload = engine.ranks[rank]
+            route = accept_peer(local, self.layout, payload)
+            _check_chunks(self.layout, route, local_chunks, remote_chunks, engine.engine_id)
+            plans[rank] = (route, local_chunks, remote_chunks)
+        self.forget(engine.engine_id)
+        names = [self.agent.add_remote(p.agent_metadata) for p in engine.ranks]
+        data: dict[int, _DataRank] = {}
+        infos = []
+        for payload, name in zip(engine.ranks, names, strict=True):
+            plan = plans.get(payload.rank)
+            capacity = 0
+            if plan is not None:
+                route, local_chunks, remote_chunks = plan
+                self._ensure_local(local_chunks)
+                rows = [
+                    (base, block_len // remote_chunks, blocks * remote_chunks)
+                    for base, block_len, blocks in zip(
+                        payload.region_base_addrs,
+                        payload.kv_block_lens,
+                        payload.num_blocks,
+                        strict=True,
+                    )
+                ]
+                prepped = self.agent.prep_remote_blocks(
+                    name,
+                    rows,
+                    self.mem,  # type: ignore[arg-type]
+                    self.device_id,
+                )
+                data[payload.rank] = _DataRank(prepped, route, remote_chunks)
+                capacity = min(route.capacities)
+            infos.append(
+                RankInfo(payload.rank, name, payload.physical_blocks_per_logical, capacity)
+            )
+        info = EngineInfo(
+            engine.engine_id, engine.tp_size, engine.pp_size, engine.extensions, tuple(infos)
         )
         with self._lock:
-            self._peers[payload.engine_id] = _Peer(info, prepped, route)
-            self._agent_to_engine[agent_name] = payload.engine_id
+            self._peers[engine.engine_id] = _Peer(info, data)
+            for rank_info in infos:
+                self._agents[rank_info.agent_name] = (engine.engine_id, rank_info.rank)
         return info
+
+    def _ensure_local(self, chunks: int) -> None:
+        with self._lock:
+            if chunks in self._local:
+                return
+        prepped = self._prep_local(chunks)
+        with self._lock:
+            self._local.setdefault(chunks, prepped)
 
     def forget(self, engine_id: str) -> None:
         with self._lock:
             peer = self._peers.pop(engine_id, None)
             if peer is not None:
-                self._agent_to_engine.pop(peer.info.agent_name, None)
+                for rank_info in peer.info.ranks:
+                    self._agents.pop(rank_info.agent_name, None)
         if peer is not None:
-            self.agent.remove_remote(peer.info.agent_name)
+            for rank_info in peer.info.ranks:
+                if rank_info.agent_name in self.agent.remotes:
+                    self.agent.remove_remote(rank_info.agent_name)
 
-    def peer(self, engine_id: str) -> PeerInfo | None:
+    def engine(self, engine_id: str) -> EngineInfo | None:
         with self._lock:
             peer = self._peers.get(engine_id)
         return None if peer is None else peer.info
+
+    def identify(self, agent_name: str) -> tuple[str, int] | None:
+        with self._lock:
+            return self._agents.get(agent_name)
 
     def _peer(self, engine_id: str) -> _Peer:
         with self._lock:
@@ -152,19 +230,42 @@ class NixlPushTransport:
             raise LocalProtocolError(f"engine {engine_id!r} is not connected")
         return peer
 
-    def _indices(
-        self, engine_id: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
-    ) -> tuple[_Peer, Any, Any]:
-        """Descriptor indices of the same blocks in every routed region, on both sides."""
-        peer = self._peer(engine_id)
-        local_idx = self._local.layout.indices_for_blocks(local_block_ids)
-        remote_idx = peer.prepped.layout.indices_for_blocks(
-            remote_block_ids, regions=peer.route.regions
-        )
-        return peer, local_idx, remote_idx
+    def _data(self, engine_id: str, rank: int) -> _DataRank:
+        data = self._peer(engine_id).data.get(rank)
+        if data is None:
+            raise LocalProtocolError(f"rank {rank} of engine {engine_id!r} is not routed")
+        return data
 
-    def send_notif(self, engine_id: str, message: bytes) -> None:
-        self.agent.send_notif(self._peer(engine_id).info.agent_name, message)
+    def _indices(
+        self,
+        engine_id: str,
+        rank: int,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        local_chunk: Chunk,
+        remote_chunk: Chunk,
+    ) -> tuple[PreppedBlocks, Any, _DataRank, Any]:
+        """Descriptor indices of the same (block, chunk)s in every routed region."""
+        data = self._data(engine_id, rank)
+        if data.chunks != remote_chunk.count:
+            raise LocalProtocolError(
+                f"rank {rank} of {engine_id!r} is prepared in {data.chunks} chunks per block"
+            )
+        with self._lock:
+            local = self._local.get(local_chunk.count)
+        if local is None:
+            raise LocalProtocolError(f"no local list in {local_chunk.count} chunks per block")
+        local_ids = _chunked(local_block_ids, local_chunk)
+        remote_ids = _chunked(remote_block_ids, remote_chunk)
+        local_idx = local.layout.indices_for_blocks(local_ids)
+        remote_idx = data.prepped.layout.indices_for_blocks(remote_ids, regions=data.route.regions)
+        return local, local_idx, data, remote_idx
+
+    def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
+        info = self._peer(engine_id).info
+        if not 0 <= rank < len(info.ranks):
+            raise LocalProtocolError(f"engine {engine_id!r} has no rank {rank}")
+        self.agent.send_notif(info.agent(rank), message)
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         return self.agent.get_new_notifs()
@@ -172,22 +273,31 @@ class NixlPushTransport:
     def write_blocks(
         self,
         engine_id: str,
+        rank: int,
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
-        peer, local_idx, remote_idx = self._indices(engine_id, local_block_ids, remote_block_ids)
-        return self.agent.write(self._local, local_idx, peer.prepped, remote_idx, notif)
+        local, local_idx, data, remote_idx = self._indices(
+            engine_id, rank, local_block_ids, remote_block_ids, local_chunk, remote_chunk
+        )
+        return self.agent.write(local, local_idx, data.prepped, remote_idx, notif)
 
     def read_blocks(
         self,
         engine_id: str,
+        rank: int,
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
     ) -> TransferHandle:
-        peer, local_idx, remote_idx = self._indices(engine_id, local_block_ids, remote_block_ids)
-        return self.agent.read(self._local, local_idx, peer.prepped, remote_idx, notif)
+        local, local_idx, data, remote_idx = self._indices(
+            engine_id, rank, local_block_ids, remote_block_ids, WHOLE, WHOLE
+        )
+        return self.agent.read(local, local_idx, data.prepped, remote_idx, notif)
 
     def poll(self, handle: TransferHandle) -> XferState:
         assert isinstance(handle, XferHandle)
@@ -196,3 +306,28 @@ class NixlPushTransport:
     def release(self, handle: TransferHandle) -> None:
         assert isinstance(handle, XferHandle)
         self.agent.release(handle)
+
+
+def _chunked(block_ids: Sequence[int], chunk: Chunk) -> list[int]:
+    if chunk.count == 1:
+        return list(block_ids)
+    return [block * chunk.count + chunk.index for block in block_ids]
+
+
+def _check_chunks(
+    layout: MemberLayout, route: RemoteRoute, local: int, remote: int, engine_id: str
+) -> None:
+    """Every member's local chunk must be exactly as long as its remote chunk (R-T03)."""
+    for slot, remote_len in zip(layout.slots, route.block_lens, strict=True):
+        if slot.block_len % local or remote_len % remote:
+            raise RemoteProtocolError(
+                f"member {slot.name!r}: blocks of {slot.block_len} / {remote_len} bytes do not"
+                f" split into {local} / {remote} chunks",
+                peer=engine_id,
+            )
+        if slot.block_len // local != remote_len // remote:
+            raise RemoteProtocolError(
+                f"member {slot.name!r}: a chunk of {slot.block_len // local} bytes here and"
+                f" {remote_len // remote} bytes on {engine_id!r} (TP layouts disagree)",
+                peer=engine_id,
+            )

@@ -2,10 +2,12 @@
 
 A `SideChannelServer` binds a ROUTER at `tcp://host:port` and answers every request frame
 `b"GET_META"` with the bytes its `payload_provider` returns at that moment (so metadata
-registered later is included). It runs on one daemon thread that owns the ROUTER; `close()`
-wakes that thread through an inproc PAIR socket and joins it, so shutdown is deterministic.
-Oversized, malformed or unknown requests are dropped without an answer; they never stop
-the thread.
+registered later is included): for push mode, the engine's `EngineHandshake`, every
+rank's payload, served by the engine's scheduler side. It runs on one daemon thread that
+owns the ROUTER; `close()` wakes that thread through an inproc PAIR socket and joins it,
+so shutdown is deterministic. Oversized, malformed or unknown requests are dropped without
+an answer, counted and logged rate-limited (`rejections`, S-06); no input, and no error
+while answering one, stops the thread (S-01).
 
 `fetch_handshake(host, port, timeout_s)` is the client: one DEALER, one request, one reply
 or `HandshakeTimeout`.
@@ -22,6 +24,8 @@ from collections.abc import Callable
 
 import zmq
 
+from kvhandoff.adapters.clock import real_clock
+from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
 
 __all__ = [
@@ -85,6 +89,8 @@ class SideChannelServer:
         self._poll_ms = poll_ms
         self.requests_served = 0
         self.requests_dropped = 0
+        self.errors = 0
+        self.rejections = RejectionLog(log, what="side-channel request")
 
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -122,13 +128,17 @@ class SideChannelServer:
         poller.register(wake, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll(self._poll_ms))
-                if wake in ready:
+                try:
+                    ready = dict(poller.poll(self._poll_ms))
+                    if wake in ready:
+                        return
+                    if router in ready:
+                        self._drain(router)
+                except zmq.ContextTerminated:
                     return
-                if router in ready:
-                    self._drain(router)
-        except Exception:  # a bug here must not take the process down silently
-            log.exception("side channel on port %d stopped by an error", self.port)
+                except Exception:  # no request, and no bug answering one, stops the thread
+                    self.errors += 1
+                    log.exception("side channel on port %d: error while serving", self.port)
         finally:
             router.close(linger=0)
             wake.close(linger=0)
@@ -143,11 +153,15 @@ class SideChannelServer:
             reply = self._answer(frames)
             if reply is None:
                 self.requests_dropped += 1
+                peer = frames[0].hex()[:32] if frames else None
+                self.rejections.reject(peer, "malformed or unknown request", real_clock())
                 continue
+            # Counted before the send: a peer that got its reply may read the counter.
+            self.requests_served += 1
             try:
                 router.send_multipart(reply, zmq.NOBLOCK)
-                self.requests_served += 1
             except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out
+                self.requests_served -= 1
                 self.requests_dropped += 1
                 log.debug("side channel reply dropped: %s", exc)
 

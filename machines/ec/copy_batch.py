@@ -5,17 +5,20 @@ The worker stages one batch per direction and step, keyed by a batch id it numbe
 - `submit`: `staged -> submitted`; the batch is handed to the copy engine as a
   `CopyBlocks` effect, which an adapter runs on a pooled CUDA stream (`swap_blocks_batch`)
   and closes with an end event recorded on that stream.
+- `engine_refused`: the copy engine raised when the batch was handed to it:
+  `submitted -> refused`, until the adapter's next poll fails it (`copy_failed`).
 - `end_event` (the adapter saw the end event fire) or `copy_failed` (the copy engine
-  refused or lost the batch): `submitted -> end_event_seen`; `CopyLanded` tells the
+  refused or lost the batch): `submitted` or `refused -> end_event_seen`; `CopyLanded` tells the
   worker, which reports it to its model runner through `get_finished`.
 - `report`: `end_event_seen -> reported` when `build_connector_worker_meta` puts the
-  batch into the worker meta. The scheduler applies it in `update_connector_output`:
-  saved entries become ready, loaded entries are unpinned (see `ec.cache_entry`); the
-  scheduler runs on its own bus, so "applied" is the entry's transition there.
+  batch's transfer ids into this rank's report. The scheduler applies it in
+  `update_connector_output` once every participating rank reported (`ec.transfer`):
+  saved entries become ready, loaded entries are unpinned; the scheduler runs on its
+  own bus, so "applied" is the transfer's transition there.
 
 No timeout: a CUDA end event always fires; a copy engine that fails says so. Tags:
-`in_flight` (submitted, its end event not seen yet), `reportable` (end event seen, not
-yet in a worker meta).
+`in_flight` (submitted, its end event not seen yet), `refused` (the copy engine refused
+it; failed at the next poll), `reportable` (end event seen, not yet in a worker meta).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "CopyFailed",
     "CopyLanded",
     "EndEvent",
+    "EngineRefused",
     "Report",
     "Submit",
 ]
@@ -56,6 +60,11 @@ class Submit(Event):
 @dataclass(frozen=True, slots=True)
 class EndEvent(Event):
     """The copy adapter saw the batch's end event fire."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRefused(Event):
+    """The copy engine raised when the batch was handed to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +95,7 @@ class CopyLanded(Effect):
     batch_id: int
     mm_hashes: tuple[str, ...]
     ok: bool
+    transfer_ids: tuple[int, ...] = ()
 
 
 def _submit(ctx: BatchCtx, event: Submit) -> list[Effect]:
@@ -94,7 +104,9 @@ def _submit(ctx: BatchCtx, event: Submit) -> list[Effect]:
 
 def _landed(ctx: BatchCtx, ok: bool) -> list[Effect]:
     ctx.ok = ok
-    return [CopyLanded(ctx.direction, ctx.key, tuple(i.mm_hash for i in ctx.items), ok)]
+    hashes = tuple(i.mm_hash for i in ctx.items)
+    ids = tuple(i.transfer_id for i in ctx.items)
+    return [CopyLanded(ctx.direction, ctx.key, hashes, ok, ids)]
 
 
 def _end_event(ctx: BatchCtx, event: EndEvent) -> list[Effect]:
@@ -116,6 +128,7 @@ EC_COPY_BATCH: Declaration[BatchCtx] = Declaration(
     states=[
         "staged",
         {"name": "submitted", "tags": ("in_flight",)},
+        {"name": "refused", "tags": ("in_flight", "refused")},
         {"name": "end_event_seen", "tags": ("reportable",)},
         {"name": "reported", "final": True},
     ],
@@ -128,9 +141,10 @@ EC_COPY_BATCH: Declaration[BatchCtx] = Declaration(
             "dest": "end_event_seen",
             "after": "end_event",
         },
+        {"trigger": EngineRefused, "source": "submitted", "dest": "refused"},
         {
             "trigger": CopyFailed,
-            "source": "submitted",
+            "source": ["submitted", "refused"],
             "dest": "end_event_seen",
             "after": "copy_failed",
         },

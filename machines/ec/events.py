@@ -17,6 +17,8 @@ __all__ = [
     "PeerDisconnected",
     "Pin",
     "Publish",
+    "ReadFellBack",
+    "ReadLanded",
     "Saved",
     "Unpin",
 ]
@@ -55,6 +57,21 @@ class Evict(Event):
 @dataclass(frozen=True, slots=True)
 class Publish(Event):
     """The producer announced the entry in `ec_transfer_params`."""
+
+
+# -- ec.settlement, from the consumer read it waits for -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLanded(Event):
+    """The read this settlement waited for landed: its entry is in the tier."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFellBack(Event):
+    """The read this settlement waited for will not land (`reason`): encode locally."""
+
+    reason: str
 
 
 # -- the P2P machines ------------------------------------------------------------------------

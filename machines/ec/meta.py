@@ -2,17 +2,22 @@
 
 - `ECRequest`: what the scheduler half reads from an engine request (a protocol, so an
   engine passes its own request object); `ECRequestInfo` is a plain implementation.
-- `CopyItem`: one encoding to copy between the GPU encoder cache and the CPU region.
+- `CopyItem`: one encoding to copy between the GPU encoder cache and the CPU region,
+  under the transfer id the scheduler minted for it (R-T06).
 - `ECConnectorMeta`: scheduler -> worker, once per step (`build_connector_meta`).
-- `ECWorkerMeta`: worker -> scheduler, once per step (`build_connector_worker_meta` ->
-  `update_connector_output`, R-E05).
-- `ECFinished`: what the worker's `get_finished` reports to its model runner.
+- `RankReport`: one worker rank -> scheduler, once per step
+  (`build_connector_worker_meta`, R-E05): the transfer ids whose copies landed or failed.
+- `ECWorkerMeta`: what reaches the scheduler's `update_connector_output`: the reports of
+  every rank, aggregated (`aggregate` concatenates them, keeping each rank's identity, so
+  the scheduler can tell a second rank from a duplicate, R-T02).
+- `ECFinished`: what the worker's `take_landed` reports to its model runner.
 
 Plain frozen slotted dataclasses, no I/O; part of the local tier. The step metadata
-(`CopyItem`, `ECConnectorMeta`, `ECWorkerMeta`, `ECFinished`) holds only builtins,
-tuples, frozensets and nested such records, so it can cross a process boundary as it is
-(msgspec encodes and decodes these dataclasses natively; the local tier itself never
-imports msgspec, R-E02).
+(`CopyItem`, `ECConnectorMeta`, `RankReport`, `ECWorkerMeta`, `ECFinished`) holds only
+builtins, tuples, frozensets and nested such records, so it can cross a process boundary
+as it is (R-T01). They are deliberately not msgspec Structs: the seed forbids the local
+tier to import msgspec (R-E02), and msgspec encodes and decodes these dataclasses
+natively, which is what an engine that ships them between processes does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ __all__ = [
     "ECRequest",
     "ECRequestInfo",
     "ECWorkerMeta",
+    "RankReport",
 ]
 
 CopyDirection = Literal["save", "load"]
@@ -58,6 +64,12 @@ class ECRequest(Protocol):
         ...
 
     @property
+    def mm_tokens(self) -> Sequence[int]:
+        """Encoder tokens (rows) of each multimodal input, in `mm_hashes` order: the size
+        the engine allocates for it, against which announced sizes are checked (S-04)."""
+        ...
+
+    @property
     def mm_metadata(self) -> Mapping[str, Mapping[str, Any]]:
         """Per `mm_hash`, the model's placeholder fields for its modality (producer side,
         published with the encoding, R-E06)."""
@@ -73,15 +85,18 @@ class ECRequestInfo:
     ec_transfer_params: Mapping[str, Any] | None = None
     metadata_only: frozenset[str] = frozenset()
     mm_metadata: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    mm_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class CopyItem:
-    """One encoding copied in a batch: its blocks in the region, in encoding order."""
+    """One encoding copied in a batch: its blocks in the region, in encoding order, and
+    the transfer id every rank reports it under (R-T06)."""
 
     mm_hash: str
     blocks: tuple[int, ...]
     num_tokens: int
+    transfer_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,21 +109,38 @@ class ECConnectorMeta:
 
 
 @dataclass(frozen=True, slots=True)
-class ECWorkerMeta:
-    """Worker -> scheduler: copies whose end event fired since the last report (R-E05).
+class RankReport:
+    """One worker rank's copies whose end event fired since its last report (R-E05), by
+    transfer id (R-T06).
 
-    `saved` entries become ready, `loaded` entries are unpinned. `failed_saves` are saves
-    that failed or were never submitted (their entries are discarded); `failed_loads`
-    are loads that failed (their entries are unpinned and their requests failed, B-05).
+    `saved` and `loaded` landed; `failed_saves` failed or were never submitted;
+    `failed_loads` failed. A transfer ends only when every rank taking part reported it
+    (loads: every rank; saves: the writer, TP 0 / PCP 0), R-T02.
     """
 
-    saved: tuple[str, ...] = ()
-    loaded: tuple[str, ...] = ()
-    failed_saves: tuple[str, ...] = ()
-    failed_loads: tuple[str, ...] = ()
+    tp_rank: int = 0
+    pcp_rank: int = 0
+    saved: tuple[int, ...] = ()
+    loaded: tuple[int, ...] = ()
+    failed_saves: tuple[int, ...] = ()
+    failed_loads: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.saved or self.loaded or self.failed_saves or self.failed_loads)
+
+
+@dataclass(frozen=True, slots=True)
+class ECWorkerMeta:
+    """Worker ranks -> scheduler: the rank reports of one step, aggregated (R-T02)."""
+
+    reports: tuple[RankReport, ...] = ()
+
+    def aggregate(self, other: ECWorkerMeta) -> ECWorkerMeta:
+        """Both sets of reports (vLLM aggregates the metas of its workers this way)."""
+        return ECWorkerMeta(self.reports + other.reports)
+
+    def __bool__(self) -> bool:
+        return any(self.reports)
 
 
 @dataclass(frozen=True, slots=True)

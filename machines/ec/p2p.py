@@ -3,13 +3,21 @@
 Imported only when `ec_enable_nixl` is set (it loads msgspec through the wire module);
 the local tier never imports it (R-E02).
 
-`P2PConsumer` starts `ec.consumer_read` machines and turns what the ZMQ and NIXL adapters
-report into their events. `P2PProducer` answers each `XferReq` with an
+`P2PConsumer` starts `ec.consumer_read` machines when a settlement asks (`StartRead`),
+lets settlements join and leave a read in flight, and turns what the ZMQ and NIXL
+adapters report into the reads' events. `P2PProducer` answers each `XferReq` with an
 `ec.producer_grant` machine. Both decode untrusted bytes here: a malformed message, an
 unknown status, an ack of no read in flight or a done of no grant raises
 `RemoteProtocolError` after counting it in `remote_errors`, and changes no state. A
-foreign version, a wrong compatibility hash or an unknown `mm_hash` in a well-formed
-`XferReq` is answered with its NACK by the grant machine.
+foreign version, a wrong compatibility hash, an unknown `mm_hash` or a consumer over its
+pin cap in a well-formed `XferReq` is answered with its NACK by the grant machine.
+
+Trust (S-02): every `XferReq` carries a fresh random transfer id drawn from
+`transfer_ids` (128 bits by default), and an ack counts only when it arrives from the
+producer the request went to, for the attempt in flight. An `OK` ack that will not be
+used (late, for an earlier attempt or a read that ended, or foreign) is answered with an
+`XferDone(ok=False)` when its sender advertised `xfer_done` (C-04), so the producer
+unpins at once instead of after its 30 s lease.
 
 Every entry point takes `now` and gives it to the bus before looking at a machine, so a
 message that waited meets the state its deadlines decided.
@@ -17,8 +25,8 @@ message that waited meets the state its deadlines decided.
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
+import secrets
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,12 +34,14 @@ from kvhandoff.machines.ec.cache import EmbeddingCache
 from kvhandoff.machines.ec.consumer_read import (
     EC_CONSUMER_READ,
     Ack,
-    FallBackLocal,
+    Join,
+    Leave,
     ReadCtx,
     ReadDone,
     ReadFailed,
-    RetryNextStep,
+    ReadReleased,
     Send,
+    SendXferDone,
 )
 from kvhandoff.machines.ec.events import PeerDisconnected
 from kvhandoff.machines.ec.producer_grant import (
@@ -40,21 +50,37 @@ from kvhandoff.machines.ec.producer_grant import (
     GrantCtx,
     XferDone,
 )
+from kvhandoff.machines.ec.settlement import (
+    EC_SETTLEMENT,
+    JoinRead,
+    LeaveRead,
+    NoRoom,
+    StartRead,
+)
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol import ec_wire
 from kvhandoff.protocol.ec_config import ECLayout
 from kvhandoff.protocol.ec_grants import check_xfer_ack
-from kvhandoff.protocol.ec_publication import PublishedEncoding
-from kvhandoff.protocol.errors import RemoteProtocolError
+from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XFER_DONE, XferStatus
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
-__all__ = ["P2PConsumer", "P2PProducer"]
+__all__ = ["P2PConsumer", "P2PProducer", "TransferIds", "random_transfer_id"]
+
+TransferIds = Callable[[], str]
+"""Draws the transfer id of one `XferReq` attempt."""
 
 
-FallbackHook = Callable[[str, str], None]
-"""`on_fallback(mm_hash, reason)`: requests waiting for `mm_hash` encode it locally."""
-RetiredHook = Callable[[str, bool], None]
-"""`on_retired(mm_hash, landed)`: a read ended (`landed`: its bytes are in the tier)."""
+def random_transfer_id() -> str:
+    """128 random bits, hex: an id no other peer can guess (S-02)."""
+    return secrets.token_hex(16)
+
+
+def _split_peer(peer: str) -> tuple[str, int] | None:
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
 
 
 class P2PConsumer:
@@ -68,31 +94,25 @@ class P2PConsumer:
         *,
         engine_id: str,
         compat_hash: str,
-        on_fallback: FallbackHook,
-        on_retired: RetiredHook | None = None,
         config: Mapping[str, float] | None = None,
+        transfer_ids: TransferIds = random_transfer_id,
     ) -> None:
         self.bus = bus
         self.cache = cache
         self.layout = layout
         self.engine_id = engine_id
         self.compat_hash = compat_hash
-        self.on_fallback = on_fallback
-        self.on_retired = on_retired
+        self.transfer_ids = transfer_ids
         self.remote_errors = 0
         self.stale_acks = 0
         self.late_completions = 0
-        self._serial = itertools.count(1)
-        self._retry: deque[str] = deque()
+        self.unused_grants_released = 0
         machine = bus.register(EC_CONSUMER_READ, config)
         self.max_not_ready = machine.config["consumer_max_not_ready_retries"]
-        bus.handle(RetryNextStep, lambda inst, effect: self._retry.append(effect.mm_hash))
-        bus.handle(FallBackLocal, lambda inst, effect: on_fallback(effect.mm_hash, effect.reason))
-        bus.on_retire(self._retired)
-
-    def _retired(self, inst: Instance[Any]) -> None:
-        if self.on_retired is not None and inst.machine.decl is EC_CONSUMER_READ:
-            self.on_retired(str(inst.key), inst.has("landed"))
+        self.not_ready_s = machine.config["consumer_not_ready_timeout_s"]
+        bus.handle(StartRead, self._start_read)
+        bus.handle(JoinRead, self._join)
+        bus.handle(LeaveRead, self._leave)
 
     def read(self, mm_hash: str) -> Instance[ReadCtx] | None:
         return self.bus.get(EC_CONSUMER_READ, mm_hash)
@@ -101,36 +121,49 @@ class P2PConsumer:
         """True while requests must wait for this read (not quarantined, not over)."""
         return self.bus.has_tag(EC_CONSUMER_READ, mm_hash, "in_flight")
 
-    def start_read(self, mm_hash: str, published: PublishedEncoding, now: float) -> bool:
-        """Reserve a destination and send the first `XferReq`; False when no room."""
-        if self.read(mm_hash) is not None:
-            return False
-        num_blocks = self.layout.blocks_for(published.size_bytes)
-        entry = self.cache.reserve(mm_hash, num_blocks, published.size_bytes, "read", now)
+    # -- what settlements ask (effects, inside the bus's step: its time is the bus's) -----
+
+    def _start_read(self, inst: Instance[Any] | None, effect: StartRead) -> None:
+        """Reserve a destination (the size was checked first, S-04) and send the first
+        `XferReq`; `NoRoom` to the settlement when the tier cannot make room."""
+        bus, now = self.bus, self.bus.now
+        published = effect.published
+        size = published.size_bytes
+        entry = None
+        if self.read(effect.mm_hash) is None:
+            blocks = self.layout.blocks_for(size)
+            entry = self.cache.reserve(effect.mm_hash, blocks, size, "read", now)
         if entry is None:
-            return False
+            bus.dispatch(EC_SETTLEMENT, effect.waiter, NoRoom(), now)
+            return
         ctx = ReadCtx(
-            mm_hash,
+            effect.mm_hash,
             peer_host=published.peer_host,
             peer_port=published.peer_port,
-            size_bytes=published.size_bytes,
+            size_bytes=size,
             dest_blocks=entry.ctx.blocks,
             compat_hash=self.compat_hash,
             engine_id=self.engine_id,
             agent_name=self.engine_id,
-            id_prefix=f"{self.engine_id}:{next(self._serial)}:",
             max_not_ready=self.max_not_ready,
+            not_ready_s=self.not_ready_s,
+            waiters={effect.waiter},
         )
-        self.bus.create(EC_CONSUMER_READ, ctx, now)
-        self.bus.dispatch(EC_CONSUMER_READ, mm_hash, Send(), now)
-        return True
+        bus.create(EC_CONSUMER_READ, ctx, now)
+        bus.dispatch(EC_CONSUMER_READ, effect.mm_hash, Send(self.transfer_ids(), now), now)
+
+    def _join(self, inst: Instance[Any] | None, effect: JoinRead) -> None:
+        self.bus.dispatch(EC_CONSUMER_READ, effect.mm_hash, Join(effect.waiter), self.bus.now)
+
+    def _leave(self, inst: Instance[Any] | None, effect: LeaveRead) -> None:
+        if self.in_flight(effect.mm_hash):
+            self.bus.dispatch(EC_CONSUMER_READ, effect.mm_hash, Leave(effect.waiter), self.bus.now)
 
     def step(self, now: float) -> None:
         """Once per scheduler step: ask again for every read a NACK_NOT_READY deferred."""
-        pending, self._retry = self._retry, deque()
-        for mm_hash in pending:
-            if self.bus.has_tag(EC_CONSUMER_READ, mm_hash, "retry_pending"):
-                self.bus.dispatch(EC_CONSUMER_READ, mm_hash, Send(), now)
+        bus = self.bus
+        for inst in bus.tagged(EC_CONSUMER_READ, "retry_pending"):
+            bus.dispatch(EC_CONSUMER_READ, inst.key, Send(self.transfer_ids(), now), now)
 
     # -- adapter events --------------------------------------------------------------------
 
@@ -138,8 +171,8 @@ class P2PConsumer:
         self.remote_errors += 1
         return RemoteProtocolError(message, peer=peer)
 
-    def on_xfer_ack(self, data: bytes, now: float, *, peer: str | None = None) -> None:
-        """An `XferAck` arrived on a DEALER."""
+    def on_xfer_ack(self, data: bytes, now: float, *, peer: str) -> None:
+        """An `XferAck` arrived on the DEALER to producer `peer` (`host:port`)."""
         try:
             ack = ec_wire.decode_xfer_ack(data, peer=peer)
         except RemoteProtocolError:
@@ -147,22 +180,47 @@ class P2PConsumer:
             raise
         self.bus.advance(now)
         inst = self.read(ack.mm_hash)
-        if inst is None:
-            raise self._reject(f"XferAck for {ack.mm_hash!r}, which no read awaits", peer)
-        ctx = inst.ctx
-        if not inst.has("awaiting_ack") or ack.transfer_id != ctx.transfer_id:
-            if ack.transfer_id.startswith(ctx.id_prefix):
-                self.stale_acks += 1  # an earlier attempt's answer: harmless
-                return
-            raise self._reject(f"XferAck {ack.transfer_id!r} answers no request of ours", peer)
-        try:
-            check_xfer_ack(
-                ack, ctx.request(), block_size_bytes=self.layout.block_size_bytes, peer=peer
+        ctx = None if inst is None else inst.ctx
+        current = ctx is not None and ack.transfer_id == ctx.transfer_id
+        earlier = ctx is not None and ack.transfer_id in ctx.past_ids
+        if ctx is not None and (current or earlier) and peer != ctx.peer:
+            self._release_unused(ack, peer)
+            raise self._reject(
+                f"XferAck {ack.transfer_id!r} came from {peer}, the request went to {ctx.peer}",
+                peer,
             )
-        except RemoteProtocolError:
-            self.remote_errors += 1
-            raise
-        self.bus.dispatch(EC_CONSUMER_READ, ack.mm_hash, Ack(ack), now)
+        if inst is not None and current and inst.has("awaiting_ack"):
+            try:
+                check_xfer_ack(
+                    ack,
+                    inst.ctx.request(),
+                    block_size_bytes=self.layout.block_size_bytes,
+                    peer=peer,
+                )
+            except RemoteProtocolError:
+                self.remote_errors += 1
+                self._release_unused(ack, peer)
+                raise
+            self.bus.dispatch(EC_CONSUMER_READ, ack.mm_hash, Ack(ack, now), now)
+            return
+        if current or earlier:
+            self.stale_acks += 1  # a duplicate, or an earlier attempt's answer: harmless
+            if earlier:
+                self._release_unused(ack, peer)
+            return
+        self._release_unused(ack, peer)
+        raise self._reject(f"XferAck {ack.transfer_id!r} answers no request of ours", peer)
+
+    def _release_unused(self, ack: ec_wire.XferAck, peer: str) -> None:
+        """An OK we will not use: tell its sender to unpin now (if it speaks XferDone)."""
+        address = _split_peer(peer)
+        if ack.status is not XferStatus.OK or XFER_DONE not in ack.extensions or address is None:
+            return
+        done = ec_wire.XferDone(
+            version=EC_CONNECTOR_VERSION, transfer_id=ack.transfer_id, mm_hash=ack.mm_hash, ok=False
+        )
+        self.unused_grants_released += 1
+        self.bus.execute(SendXferDone(address[0], address[1], done))
 
     def _awaited(self, mm_hash: str, transfer_id: str, now: float) -> bool:
         """Whether a READ of `transfer_id` may still complete for `mm_hash` at `now`."""
@@ -174,14 +232,20 @@ class P2PConsumer:
         return True
 
     def on_read_done(self, mm_hash: str, transfer_id: str, now: float) -> None:
-        """The NIXL READ of `transfer_id` completed."""
+        """The NIXL READ of `transfer_id` completed (and its handle was released)."""
         if self._awaited(mm_hash, transfer_id, now):
             self.bus.dispatch(EC_CONSUMER_READ, mm_hash, ReadDone(), now)
 
     def on_read_failed(self, mm_hash: str, transfer_id: str, now: float) -> None:
-        """The NIXL READ of `transfer_id` failed."""
+        """The NIXL READ of `transfer_id` failed (and its handle was released)."""
         if self._awaited(mm_hash, transfer_id, now):
             self.bus.dispatch(EC_CONSUMER_READ, mm_hash, ReadFailed(), now)
+
+    def on_read_released(self, mm_hash: str, now: float) -> None:
+        """The adapter released the handle a `ReleaseRead` named."""
+        if self.read(mm_hash) is None:
+            raise LocalProtocolError(f"no read of {mm_hash!r} waits for its handle's release")
+        self.bus.dispatch(EC_CONSUMER_READ, mm_hash, ReadReleased(), now)
 
     def on_peer_disconnected(self, peer_host: str, peer_port: int, now: float) -> None:
         """The DEALER of producer `peer_host:peer_port` lost its peer."""
@@ -216,6 +280,12 @@ class P2PProducer:
         self.remote_errors = 0
         machine = bus.register(EC_PRODUCER_GRANT, config)
         self.lease_s = machine.config["pin_lease_s"]
+        self.max_per_peer = machine.config["producer_max_grants_per_peer"]
+        self.max_total = machine.config["producer_max_grants"]
+
+    def pins(self) -> Counter[bytes | str]:
+        """Pins each consumer holds now: its grants tagged `leased` (S-03)."""
+        return Counter(inst.ctx.peer for inst in self.bus.tagged(EC_PRODUCER_GRANT, "leased"))
 
     def register_nixl_agent(self, agent_name: str, agent_metadata: bytes, base_addr: int) -> None:
         """The NIXL adapter registered the region; grants may name it from now on."""
@@ -246,6 +316,7 @@ class P2PProducer:
             self.remote_errors += 1
             raise RemoteProtocolError(f"XferReq {req.transfer_id!r} is already granted", peer=shown)
         entry = self.cache.entry(req.mm_hash)
+        pins = self.pins()
         check = Check(
             req=req,
             expected_hash=self.compat_hash,
@@ -253,6 +324,8 @@ class P2PProducer:
             entry_loadable=entry is not None and entry.has("loadable"),
             entry_blocks=() if entry is None else entry.ctx.blocks,
             entry_size_bytes=0 if entry is None else entry.ctx.size_bytes,
+            peer_grants=pins[peer],
+            total_grants=pins.total(),
         )
         ctx = GrantCtx(
             key,
@@ -263,6 +336,8 @@ class P2PProducer:
             region_base_addr=self.region_base_addr,
             block_size_bytes=self.layout.block_size_bytes,
             lease_s=self.lease_s,
+            max_per_peer=self.max_per_peer,
+            max_total=self.max_total,
         )
         self.bus.create(EC_PRODUCER_GRANT, ctx, now)
         self.bus.dispatch(EC_PRODUCER_GRANT, key, check, now)

@@ -11,14 +11,20 @@ entry it names. The guards are tried in order:
 3. `absent`: no entry for the `mm_hash`, or one of another size -> `NACK_MISSING`.
 4. `not_ready`: the entry is allocated but its GPU->mmap save has not landed ->
    `NACK_NOT_READY` (the consumer retries next step).
-5. `no_agent`: this producer has no NIXL agent registered yet -> `NACK_INTERNAL`.
-6. otherwise `OK`: the entry is pinned and the ack names the source block indices, the
+5. `over_cap`: granting would make the asking consumer hold more than
+   `producer_max_grants_per_peer` pins, or this producer more than `producer_max_grants`
+   in all -> `NACK_INTERNAL` (S-03: one consumer cannot pin every entry; the consumer
+   encodes locally).
+6. `no_agent`: this producer has no NIXL agent registered yet -> `NACK_INTERNAL`.
+7. otherwise `OK`: the entry is pinned and the ack names the source block indices, the
    region base address and the producer's NIXL agent metadata (R-E11).
 
 Every answer is a `SendXferAck(peer, ack)` effect for the ZMQ ROUTER adapter. A granted
 pin is held for `pin_lease_s` (30 s): `xfer_done` (the consumer's `XferDone`) or
 `lease_expired` unpins it. A disconnect does not end a grant early (the peer's READ may
-still be in flight); the lease does.
+still be in flight); the lease does. The pins a consumer holds are its grants tagged
+`leased` (a declared query, no count kept beside the machine), which the next `Check`
+carries (S-03).
 
 `Check`, `XferDone` and `PeerDisconnected` are peer events: one a state does not declare
 is a `RemoteProtocolError` that changes nothing. Tags: `leased` (granted: the entry is
@@ -49,6 +55,11 @@ __all__ = [
     "XferDone",
 ]
 
+DEFAULT_MAX_GRANTS_PER_PEER = 256.0
+"""Pins one consumer may hold on this producer at once (S-03)."""
+DEFAULT_MAX_GRANTS = 4096.0
+"""Pins all consumers together may hold on this producer at once (S-03)."""
+
 GrantKey = tuple[bytes | str, str]
 """(the consumer's ZMQ identity, its `transfer_id`)."""
 
@@ -66,6 +77,10 @@ class GrantCtx:
     block_size_bytes: int = 0
     lease_s: float = DEFAULT_PIN_LEASE_S
     """How long a granted pin is held (`pin_lease_s`), announced in the ack."""
+    max_per_peer: float = DEFAULT_MAX_GRANTS_PER_PEER
+    """`producer_max_grants_per_peer` (S-03)."""
+    max_total: float = DEFAULT_MAX_GRANTS
+    """`producer_max_grants` (S-03)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +94,10 @@ class Check(PeerEvent):
     """The entry's bytes are in the tier (its save has landed)."""
     entry_blocks: tuple[int, ...] = ()
     entry_size_bytes: int = 0
+    peer_grants: int = 0
+    """Pins the asking consumer holds now."""
+    total_grants: int = 0
+    """Pins every consumer holds now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +140,10 @@ def _not_ready(ctx: GrantCtx, event: Check) -> bool:
     return not event.entry_loadable
 
 
+def _over_cap(ctx: GrantCtx, event: Check) -> bool:
+    return event.peer_grants >= ctx.max_per_peer or event.total_grants >= ctx.max_total
+
+
 def _no_agent(ctx: GrantCtx, event: Check) -> bool:
     return not (ctx.agent_name and ctx.agent_metadata)
 
@@ -150,6 +173,10 @@ def _nack_internal(ctx: GrantCtx, event: Check) -> list[Effect]:
     return _refuse(ctx, event, XferStatus.NACK_INTERNAL)
 
 
+def _nack_busy(ctx: GrantCtx, event: Check) -> list[Effect]:
+    return [*_refuse(ctx, event, XferStatus.NACK_INTERNAL), Metric("ec.producer.over_cap")]
+
+
 def _grant(ctx: GrantCtx, event: Check) -> list[Effect]:
     ack = grant_ack(
         event.req,
@@ -173,7 +200,10 @@ def _consumed(ctx: GrantCtx, event: XferDone) -> list[Effect]:
 
 
 def _lease_expired(ctx: GrantCtx, event: LeaseExpired) -> list[Effect]:
-    return [Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin()), Metric("ec.producer.lease_expired")]
+    return [
+        Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin()),
+        Metric("ec.producer.lease_expired"),
+    ]
 
 
 _REFUSALS = (
@@ -181,6 +211,7 @@ _REFUSALS = (
     ("incompatible", "refused_incompat", "nack_incompat"),
     ("absent", "refused_missing", "nack_missing"),
     ("not_ready", "refused_not_ready", "nack_not_ready"),
+    ("over_cap", "refused_busy", "nack_busy"),
     ("no_agent", "refused_internal", "nack_internal"),
 )
 
@@ -188,9 +219,9 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
     name="ec.producer_grant",
     context=GrantCtx,
     description=(
-        "Producer answer to one XferReq (R-E09, R-E10, R-E12): version, then "
-        "compatibility hash, then presence, then readiness; OK pins the entry for a "
-        "30 s lease that XferDone or the lease expiry ends."
+        "Producer answer to one XferReq (R-E09, R-E10, R-E12, S-03): version, then "
+        "compatibility hash, then presence, then readiness, then the per-peer and total "
+        "pin caps; OK pins the entry for a 30 s lease that XferDone or the lease expiry ends."
     ),
     states=[
         "received",
@@ -224,15 +255,21 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
         "incompatible": _incompatible,
         "absent": _absent,
         "not_ready": _not_ready,
+        "over_cap": _over_cap,
         "no_agent": _no_agent,
         "nack_version": _nack_version,
         "nack_incompat": _nack_incompat,
         "nack_missing": _nack_missing,
         "nack_not_ready": _nack_not_ready,
         "nack_internal": _nack_internal,
+        "nack_busy": _nack_busy,
         "grant": _grant,
         "consumed": _consumed,
         "unpin_expired": _lease_expired,
     },
-    config_defaults={"pin_lease_s": DEFAULT_PIN_LEASE_S},
+    config_defaults={
+        "pin_lease_s": DEFAULT_PIN_LEASE_S,
+        "producer_max_grants_per_peer": DEFAULT_MAX_GRANTS_PER_PEER,
+        "producer_max_grants": DEFAULT_MAX_GRANTS,
+    },
 )

@@ -1,47 +1,71 @@
-"""Scheduler half of the CPU encoder-cache connector (R-E04..R-E08, R-E13, B-01, B-05).
+"""Scheduler half of the CPU encoder-cache connector (R-E04..R-E08, R-E13, R-T02, R-T06, B-05).
 
-A thin API over the machines on the scheduler's bus: `ec.cache_entry` (always),
-`ec.request` (consumer roles), and, with `ec_enable_nixl`, `ec.consumer_read` and
-`ec.producer_grant` from the lazily imported P2P module. It reserves blocks, creates
-instances and delivers events; every state change happens in a machine.
+A thin API over the machines on the scheduler's bus: `ec.cache_entry` and
+`ec.transfer` (always), `ec.request` and `ec.settlement` (consumer roles), and, with
+`ec_enable_nixl`, `ec.consumer_read` and `ec.producer_grant` from the lazily imported
+P2P module. It gathers facts, reserves blocks, creates instances and delivers events;
+every decision and every state change happens in a machine. It shares no object with the
+worker halves (R-T01): `build_connector_meta` hands down an `ECConnectorMeta`, and
+`update_connector_output` takes the ranks' reports back (`ECWorkerMeta`), validated as a
+whole before any of it is applied (R-T02).
+
+The calls carry vLLM 0.33's `ECConnectorBase` names, each with the time as its last
+argument: `has_cache_item(identifier)`, `ensure_cache_available(request,
+num_computed_tokens, now)`, `update_state_after_alloc(request, index, now)`,
+`build_connector_meta(now)`, `update_connector_output(output, now)`,
+`request_finished(request, now)`, `take_unavailable_requests()`;
+`adapters.ec_connector.ECConnector` offers them with vLLM's exact signatures.
 
 Roles (`ECTransferConfig.ec_role`): `ec_producer` saves encoder outputs to the tier and,
 with P2P, serves them; `ec_consumer` loads from the tier and, with P2P, pulls from
 producers; `ec_both` does both. A producer alone runs encoder-only (R-E13).
 
 Effects for adapters appear on `bus` (register handlers with `bus.handle`) or in
-`drain_effects()`: `SendXferReq`, `IssueRead`, `SendXferDone`, `SendXferAck`, and for an
-orchestrator `EncodingEvicted` (B-01). Requests failed on the scheduler side (B-05) are
-collected as `FailRequest`s in `take_failed_requests()`.
+`drain_effects()`: `SendXferReq`, `IssueRead`, `ReleaseRead`, `SendXferDone`,
+`SendXferAck`, and for an orchestrator `EncodingEvicted` (B-01). Requests failed on the
+scheduler side (B-05) come back from `take_unavailable_requests()` (ids, vLLM's call) or
+`take_failed_requests()` (with their reasons).
 
 Time is an argument: every entry point that may change state takes `now` (the engine's
 clock, read by its caller); nothing here reads a clock. The bus fires every timeout due
 at `now` before it applies anything, and an entry point that looks at the machines
-before it acts gives the bus the time first.
+before it acts gives the bus the time first. After `shutdown` nothing is cached any
+more and every call raises `LocalProtocolError`.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.machines.ec.cache import EmbeddingCache, EvictionObserver
-from kvhandoff.machines.ec.events import Discard, Pin, Publish, Saved, Unpin
+from kvhandoff.machines.ec.events import Pin, Publish
 from kvhandoff.machines.ec.meta import CopyItem, ECConnectorMeta, ECRequest, ECWorkerMeta
 from kvhandoff.machines.ec.nixl_gate import require_nixl
+from kvhandoff.machines.ec.notices import EC_REQUEST_FAILURE, FailureCtx, take_notices
+from kvhandoff.machines.ec.reports import plan_reports
 from kvhandoff.machines.ec.request import (
     EC_REQUEST,
     Available,
     EncodingLost,
     FailRequest,
-    FallBack,
     Finished,
-    Hold,
-    Load,
+    ReleaseSettlements,
     RequestCtx,
 )
+from kvhandoff.machines.ec.settlement import (
+    EC_SETTLEMENT,
+    Consider,
+    Load,
+    Release,
+    SettlementCtx,
+)
+from kvhandoff.machines.ec.transfer import EC_TRANSFER, Dispatch, LoadLost, TransferCtx
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.ec_publication import (
     PublishedEncoding,
@@ -52,11 +76,11 @@ from kvhandoff.protocol.ec_publication import (
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:
-    from kvhandoff.machines.ec.p2p import P2PConsumer, P2PProducer
+    from kvhandoff.machines.ec.p2p import P2PConsumer, P2PProducer, TransferIds
 
 __all__ = ["ECScheduler"]
 
-Published = dict[str, PublishedEncoding | None]
+log = logging.getLogger("kvhandoff.ec.scheduler")
 
 
 class ECScheduler:
@@ -71,10 +95,15 @@ class ECScheduler:
         env: Mapping[str, str] | None = None,
         machine_config: Mapping[str, float] | None = None,
         eviction_observer: EvictionObserver | None = None,
+        tp_size: int = 1,
+        pcp_size: int = 1,
+        transfer_ids: TransferIds | None = None,
     ) -> None:
         """`compat_hash`: this engine's `compatibility_hash` (R-E10), needed with P2P.
         `machine_config` overrides machine config keys (e.g.
-        `consumer_max_not_ready_retries`); the timeouts come from the extra config."""
+        `consumer_max_not_ready_retries`); the timeouts come from the extra config.
+        `tp_size` x `pcp_size` worker ranks report each load (R-T02). `transfer_ids`
+        draws the id of each `XferReq` (random 128 bits by default, S-02)."""
         self.config = config
         self.extra = config.extra_config(env)
         if self.extra.ec_cpu_bytes != layout.ec_cpu_bytes:
@@ -82,38 +111,52 @@ class ECScheduler:
                 f"layout is for ec_cpu_bytes={layout.ec_cpu_bytes}, the extra config says "
                 f"{self.extra.ec_cpu_bytes}"
             )
+        for name, size in (("tp_size", tp_size), ("pcp_size", pcp_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise LocalProtocolError(f"{name} must be a positive int, got {size!r}")
         self.layout = layout
+        self.tp_size, self.pcp_size = tp_size, pcp_size
+        self.ranks = frozenset(range(tp_size * pcp_size))
+        """Every worker rank (`pcp_rank * tp_size + tp_rank`): each loads (R-T02)."""
+        self.writer_ranks = frozenset({0})
+        """The rank that saves: TP 0 / PCP 0 (R-E03)."""
         self.bus = EventBus()
         self.cache = EmbeddingCache(self.bus, layout.num_blocks, observer=eviction_observer)
-        self.failed_requests: list[FailRequest] = []
+        self.bus.register(EC_TRANSFER)
+        self.bus.register(EC_REQUEST_FAILURE)
+        self._failure_serials = itertools.count(1)
+        self.rejections = RejectionLog(log, what="worker report")
+        self.report_counts = {"stale": 0, "duplicate": 0, "misdirected": 0, "refused": 0}
         self.bad_params = 0
-        self._saves: list[CopyItem] = []
-        self._loads: list[CopyItem] = []
-        self._loading: dict[str, list[str]] = {}
-        self._waiters: dict[str, set[str]] = {}
-        self._params: dict[str, tuple[Published, str]] = {}
-        self.bus.handle(FailRequest, lambda inst, effect: self.failed_requests.append(effect))
+        self.closed = False
+        self._transfer_serials = itertools.count(1)
+        self.bus.handle(FailRequest, self._request_failed)
+        self.bus.handle(LoadLost, self._load_lost)
         if config.is_consumer:
             self.bus.register(EC_REQUEST)
+            self.bus.register(EC_SETTLEMENT)
+            self.bus.handle(ReleaseSettlements, self._release_settlements)
         self.consumer: P2PConsumer | None = None
         self.producer: P2PProducer | None = None
         if self.extra.ec_enable_nixl:
-            self._start_p2p(compat_hash, machine_config or {})
+            self._start_p2p(compat_hash, machine_config or {}, transfer_ids)
 
-    def _start_p2p(self, compat_hash: str, overrides: Mapping[str, float]) -> None:
+    def _start_p2p(
+        self, compat_hash: str, overrides: Mapping[str, float], ids: TransferIds | None
+    ) -> None:
         require_nixl()
         if not compat_hash:
             raise LocalProtocolError("ec_enable_nixl needs this engine's compat_hash (R-E10)")
         from kvhandoff.machines.ec import p2p as ec_p2p  # P2P only: loads msgspec (R-E02)
 
         extra = self.extra
-        timeouts = {
+        consumer_keys = {
             "consumer_ack_timeout_s": extra.consumer_ack_timeout_s,
             "nixl_read_timeout_s": extra.nixl_read_timeout_s,
             "read_quarantine_s": extra.read_quarantine_s,
-            "pin_lease_s": extra.pin_lease_s,
+            "consumer_not_ready_timeout_s": extra.consumer_not_ready_timeout_s,
         }
-        config = timeouts | dict(overrides)
+        producer_keys = {"pin_lease_s": extra.pin_lease_s}
         if self.config.is_consumer:
             self.consumer = ec_p2p.P2PConsumer(
                 self.bus,
@@ -121,9 +164,8 @@ class ECScheduler:
                 self.layout,
                 engine_id=self.config.engine_id,
                 compat_hash=compat_hash,
-                on_fallback=self._read_fell_back,
-                on_retired=self._read_retired,
-                config={k: v for k, v in config.items() if k != "pin_lease_s"},
+                config=consumer_keys | dict(overrides),
+                transfer_ids=ids or ec_p2p.random_transfer_id,
             )
         if self.config.is_producer:
             self.producer = ec_p2p.P2PProducer(
@@ -131,8 +173,12 @@ class ECScheduler:
                 self.cache,
                 self.layout,
                 compat_hash=compat_hash,
-                config={"pin_lease_s": config["pin_lease_s"]},
+                config=producer_keys | dict(overrides),
             )
+
+    def _open(self, call: str) -> None:
+        if self.closed:
+            raise LocalProtocolError(f"ECScheduler.{call}: the connector was shut down")
 
     # -- facts -----------------------------------------------------------------------------
 
@@ -141,178 +187,215 @@ class ECScheduler:
         """True for `ec_producer` alone: the engine skips the language model (R-E13)."""
         return self.config.encoder_only
 
-    def has_cache_item(self, mm_hash: str) -> bool:
-        """True when this consumer can load `mm_hash` from the tier instead of encoding
-        (as of the last time given)."""
-        return self.config.is_consumer and self.cache.is_loadable(mm_hash)
+    def has_cache_item(self, identifier: str) -> bool:
+        """True when this consumer can load `identifier` (an `mm_hash`) from the tier
+        instead of encoding it (as of the last time given); never after `shutdown`."""
+        return not self.closed and self.config.is_consumer and self.cache.is_loadable(identifier)
 
     def poll(self, now: float) -> int:
         """Fire timeouts due at `now` (ack, read, quarantine, pin lease); the number fired."""
+        self._open("poll")
         return self.bus.fire_due(now)
+
+    def local_reason(self, request_id: str, mm_hash: str) -> str:
+        """Why `mm_hash` of a live request is encoded locally ("" if it is not)."""
+        inst = self.bus.get(EC_REQUEST, request_id)
+        return "" if inst is None else inst.ctx.local.get(mm_hash, "")
+
+    def failure_reason(self, request_id: str) -> str:
+        """Why a live request failed cleanly ("" if it did not, B-05)."""
+        inst = self.bus.get(EC_REQUEST, request_id)
+        return "" if inst is None else inst.ctx.failure
 
     # -- consumer: availability ----------------------------------------------------------
 
-    def _request(self, request: ECRequest, now: float) -> Instance[RequestCtx]:
-        inst = self.bus.get(EC_REQUEST, request.request_id)
-        if inst is None:
-            ctx = RequestCtx(request.request_id, metadata_only=frozenset(request.metadata_only))
-            inst = self.bus.create(EC_REQUEST, ctx, now)
-        return inst
+    def _new_request(self, request: ECRequest, now: float) -> Instance[RequestCtx]:
+        published: dict[str, PublishedEncoding | None] = {}
+        error = ""
+        try:
+            published = parse_ec_transfer_params(request.ec_transfer_params)
+        except RemoteProtocolError as exc:
+            self.bad_params += 1
+            error = f"malformed ec_transfer_params: {exc}"
+        ctx = RequestCtx(
+            request.request_id,
+            mm_hashes=tuple(dict.fromkeys(request.mm_hashes)),
+            metadata_only=frozenset(request.metadata_only),
+            published=published,
+            params_error=error,
+        )
+        return self.bus.create(EC_REQUEST, ctx, now)
 
-    def _published(self, request: ECRequest) -> tuple[Published, str]:
-        cached = self._params.get(request.request_id)
-        if cached is None:
-            try:
-                cached = (parse_ec_transfer_params(request.ec_transfer_params), "")
-            except RemoteProtocolError as exc:
-                self.bad_params += 1
-                cached = ({}, f"malformed ec_transfer_params: {exc}")
-            self._params[request.request_id] = cached
-        return cached
-
-    def ensure_cache_available(self, request: ECRequest, now: float) -> bool:
-        """May `request` be scheduled now? False defers it (a read is in flight) or means
-        it failed (then it is in `take_failed_requests()`, B-05)."""
+    def ensure_cache_available(
+        self, request: ECRequest, num_computed_tokens: int, now: float
+    ) -> bool:
+        """May `request` be scheduled now? False defers it (a read or a save is in flight)
+        or means it failed (then it comes back from `take_unavailable_requests`, B-05).
+        Each encoding is settled by its `ec.settlement` machine."""
+        self._open("ensure_cache_available")
         self.bus.advance(now)
         if not self.config.is_consumer:
             return True
-        inst = self._request(request, now)
+        bus, rid = self.bus, request.request_id
+        inst = bus.get(EC_REQUEST, rid) or self._new_request(request, now)
         if not inst.has("unsettled"):
             return inst.has("schedulable")
-        published, params_error = self._published(request)
-        rid = request.request_id
-        waiting = False
-        for mm_hash in dict.fromkeys(request.mm_hashes):
-            ctx = inst.ctx
-            if mm_hash in ctx.held or mm_hash in ctx.local:
+        tokens = _tokens_by_hash(request)
+        for mm_hash in inst.ctx.mm_hashes:
+            key = (rid, mm_hash)
+            item = bus.get(EC_SETTLEMENT, key)
+            if item is None:
+                item = bus.create(EC_SETTLEMENT, SettlementCtx(key), now)
+            elif not item.has("unsettled"):
                 continue
-            wait, reason = self._settle(rid, mm_hash, published, params_error, now)
-            waiting = waiting or wait
-            if reason:
-                self.bus.dispatch(EC_REQUEST, rid, FallBack(mm_hash, reason), now)
-            if not inst.has("unsettled"):  # failed, possibly from inside a read's fallback
+            consider = self._consider(inst.ctx, mm_hash, tokens.get(mm_hash, 0))
+            bus.dispatch(EC_SETTLEMENT, key, consider, now)
+            if not inst.has("unsettled"):  # failed: an encoding it had no media for is lost
                 return False
-        if waiting:
-            return False
-        self.bus.dispatch(EC_REQUEST, rid, Available(), now)
-        return True
+        bus.dispatch(EC_REQUEST, rid, Available(), now)
+        return inst.has("schedulable")
 
-    def _settle(
-        self, rid: str, mm_hash: str, published: Published, params_error: str, now: float
-    ) -> tuple[bool, str]:
-        """(wait, reason): wait for it, hold it (neither), or encode it locally (reason)."""
-        cache = self.cache
-        if cache.is_loadable(mm_hash):
-            self.bus.dispatch(EC_REQUEST, rid, Hold(mm_hash), now)
-            return False, ""
+    def _consider(self, ctx: RequestCtx, mm_hash: str, tokens: int) -> Consider:
+        """What the settlement of `mm_hash` decides on: the facts as of now."""
+        entry = self.cache.entry(mm_hash)
         consumer = self.consumer
-        if consumer is not None and consumer.in_flight(mm_hash):
-            self._waiters.setdefault(mm_hash, set()).add(rid)
-            return True, ""
-        entry = cache.entry(mm_hash)
-        if entry is not None and entry.has("awaiting_bytes"):
-            if entry.ctx.origin == "save":
-                return True, ""  # our own save lands within a step or two
-            return False, "destination quarantined"
-        encoding = published.get(mm_hash)
-        if consumer is None and encoding is not None:
-            return False, "published, but P2P is off (ec_enable_nixl)"
-        if consumer is not None and encoding is not None:
-            self._waiters.setdefault(mm_hash, set()).add(rid)
-            if consumer.start_read(mm_hash, encoding, now):
-                if consumer.in_flight(mm_hash):
-                    return True, ""
-                return False, ""  # settled synchronously through the fallback hook
-            self._waiters[mm_hash].discard(rid)
-            return False, "no room in the CPU tier for the read destination"
-        if params_error:
-            return False, params_error
-        if mm_hash in published:
-            return False, "published as unservable"
-        return False, "not cached and not published"
+        in_flight = consumer is not None and consumer.in_flight(mm_hash)
+        awaiting = entry is not None and entry.has("awaiting_bytes")
+        own_save = awaiting and entry is not None and entry.ctx.origin == "save"
+        published = ctx.published.get(mm_hash)
+        return Consider(
+            loadable=entry is not None and entry.has("loadable"),
+            read_in_flight=in_flight,
+            own_save_pending=own_save,
+            quarantined=awaiting and not own_save and not in_flight,
+            size_problem="" if published is None else self._size_problem(published, tokens),
+            published=published,
+            p2p=consumer is not None,
+            unservable=mm_hash in ctx.published and published is None,
+            params_error=ctx.params_error,
+        )
 
-    def _read_fell_back(self, mm_hash: str, reason: str) -> None:
-        """A read's `FallBackLocal` (inside the bus's step: its time is the bus's)."""
-        for rid in sorted(self._waiters.pop(mm_hash, ())):
-            inst = self.bus.get(EC_REQUEST, rid)
-            if inst is not None and inst.has("unsettled") and mm_hash not in inst.ctx.local:
-                self.bus.dispatch(EC_REQUEST, rid, FallBack(mm_hash, reason), self.bus.now)
+    def _size_problem(self, published: PublishedEncoding, tokens: int) -> str:
+        """S-04: the announced size must be what the request's own token count takes in
+        this layout; checked before any reservation or eviction."""
+        expected = tokens * self.layout.block_size_bytes
+        if tokens < 1:
+            return "announced size_bytes cannot be checked: the request names no token count"
+        if published.size_bytes != expected:
+            return (
+                f"announced size_bytes {published.size_bytes} is not {tokens} tokens of "
+                f"{self.layout.block_size_bytes} bytes"
+            )
+        return ""
 
-    def _read_retired(self, mm_hash: str, landed: bool) -> None:
-        waiters = self._waiters.pop(mm_hash, ())
-        if not landed or not self.cache.is_loadable(mm_hash):
-            return
-        for rid in sorted(waiters):  # hold it at once: no eviction before they come back
-            request = self.bus.get(EC_REQUEST, rid)
-            if request is not None and request.has("unsettled"):
-                self.bus.dispatch(EC_REQUEST, rid, Hold(mm_hash), self.bus.now)
+    def _release_settlements(self, inst: Instance[Any] | None, effect: ReleaseSettlements) -> None:
+        bus = self.bus
+        for mm_hash in effect.mm_hashes:
+            key = (effect.request_id, mm_hash)
+            if bus.get(EC_SETTLEMENT, key) is not None:
+                bus.dispatch(EC_SETTLEMENT, key, Release(), bus.now)
 
     # -- allocation and the step -----------------------------------------------------------
 
-    def update_state_after_alloc(
-        self, request: ECRequest, mm_hash: str, num_tokens: int, now: float
-    ) -> None:
-        """The engine allocated encoder cache for `mm_hash` of `request` (`num_tokens`
-        rows): load it from the tier (consumer) or plan its save (producer)."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise LocalProtocolError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    def update_state_after_alloc(self, request: ECRequest, index: int, now: float) -> None:
+        """The engine allocated encoder cache for input `index` of `request`: plan its
+        load from the tier (consumer) or its save (producer), each a new transfer."""
+        self._open("update_state_after_alloc")
+        mm_hash, tokens = _input(request, index)
         self.bus.advance(now)
-        cache = self.cache
+        cache, rid = self.cache, request.request_id
         if self.has_cache_item(mm_hash):
-            rid = request.request_id
-            inst = self.bus.get(EC_REQUEST, rid)
-            if inst is not None and inst.has("schedulable") and mm_hash in inst.ctx.held:
-                self.bus.dispatch(EC_REQUEST, rid, Load(mm_hash), now)
+            transfer_id = next(self._transfer_serials)
+            held = self.bus.get(EC_SETTLEMENT, (rid, mm_hash))
+            if held is not None and held.has("holds_pin"):
+                self.bus.dispatch(EC_SETTLEMENT, held.key, Load(transfer_id), now)
             else:
                 cache.deliver(mm_hash, Pin(), now)
             entry = cache.entry(mm_hash)
             assert entry is not None
-            self._loads.append(CopyItem(mm_hash, entry.ctx.blocks, num_tokens))
-            self._loading.setdefault(mm_hash, []).append(rid)
+            self._plan(transfer_id, mm_hash, "load", entry.ctx.blocks, tokens, rid, now)
             return
         if self.config.is_producer and cache.entry(mm_hash) is None:
-            size = num_tokens * self.layout.block_size_bytes
-            entry = cache.reserve(mm_hash, num_tokens, size, "save", now)
+            size = tokens * self.layout.block_size_bytes
+            entry = cache.reserve(mm_hash, tokens, size, "save", now)
             if entry is not None:
-                self._saves.append(CopyItem(mm_hash, entry.ctx.blocks, num_tokens))
+                transfer_id = next(self._transfer_serials)
+                self._plan(transfer_id, mm_hash, "save", entry.ctx.blocks, tokens, rid, now)
+
+    def _plan(
+        self,
+        transfer_id: int,
+        mm_hash: str,
+        direction: str,
+        blocks: tuple[int, ...],
+        tokens: int,
+        request_id: str,
+        now: float,
+    ) -> None:
+        ranks = self.writer_ranks if direction == "save" else self.ranks
+        ctx = TransferCtx(
+            transfer_id,
+            mm_hash=mm_hash,
+            direction="save" if direction == "save" else "load",
+            blocks=blocks,
+            num_tokens=tokens,
+            request_id=request_id,
+            participants=ranks,
+            pending=set(ranks),
+        )
+        self.bus.create(EC_TRANSFER, ctx, now)
 
     def build_connector_meta(self, now: float) -> ECConnectorMeta:
-        """Once per step: fire timeouts, re-ask deferred reads, hand over loads and saves."""
-        self.bus.advance(now)
+        """Once per step: fire timeouts, re-ask deferred reads, hand the staged loads and
+        saves to the workers, each under its transfer id (R-T06)."""
+        self._open("build_connector_meta")
+        bus = self.bus
+        bus.advance(now)
         if self.consumer is not None:
             self.consumer.step(now)
-        meta = ECConnectorMeta(tuple(self._loads), tuple(self._saves))
-        self._loads, self._saves = [], []
-        return meta
+        loads: list[CopyItem] = []
+        saves: list[CopyItem] = []
+        for inst in bus.tagged(EC_TRANSFER, "staged"):
+            ctx = inst.ctx
+            item = CopyItem(ctx.mm_hash, ctx.blocks, ctx.num_tokens, ctx.key)
+            (saves if ctx.direction == "save" else loads).append(item)
+            bus.dispatch(EC_TRANSFER, ctx.key, Dispatch(), now)
+        return ECConnectorMeta(tuple(loads), tuple(saves))
 
-    def update_connector_output(self, output: ECWorkerMeta | None, now: float) -> None:
-        """Apply the worker's report (R-E05): saved entries become ready, loaded ones are
-        unpinned; failed saves are discarded; failed loads fail their requests (B-05)."""
+    def update_connector_output(self, output: ECWorkerMeta | object | None, now: float) -> None:
+        """Apply the ranks' reports (R-E05): a transfer lands or fails once every rank
+        taking part reported it (R-T02, R-T06): saved entries become ready, loaded ones
+        are unpinned, failed saves are discarded, failed loads fail their requests
+        (B-05). The whole output is validated first; stale, duplicate and misdirected
+        items are counted and ignored, a malformed output is refused and logged, and
+        nothing is raised into the engine."""
+        self._open("update_connector_output")
         if output is None:
             return
-        cache = self.cache
-        for mm_hash in output.saved:
-            cache.deliver(mm_hash, Saved(), now)
-        for mm_hash in output.failed_saves:
-            cache.deliver(mm_hash, Discard(), now)
-        for mm_hash in output.loaded:
-            self._load_finished(mm_hash)
-            cache.deliver(mm_hash, Unpin(), now)
-        for mm_hash in output.failed_loads:
-            rid = self._load_finished(mm_hash)
-            cache.deliver(mm_hash, Unpin(), now)
-            inst = None if rid is None else self.bus.get(EC_REQUEST, rid)
-            if inst is not None and not inst.has("failed_cleanly"):
-                self.bus.dispatch(EC_REQUEST, inst.key, EncodingLost(mm_hash), now)
+        bus = self.bus
+        bus.advance(now)
+        plan = plan_reports(bus, output, self.tp_size, self.pcp_size)
+        counts = self.report_counts
+        if plan.refused:
+            counts["refused"] += 1
+            self.rejections.reject("workers", f"worker report refused: {plan.refused}", now)
+            return
+        counts["stale"] += plan.stale
+        counts["duplicate"] += plan.duplicate
+        counts["misdirected"] += plan.misdirected
+        if plan.misdirected:
+            self.rejections.reject("workers", f"{plan.misdirected} misdirected report(s)", now)
+        for transfer_id, event in plan.apply:
+            try:
+                bus.dispatch(EC_TRANSFER, transfer_id, event, now)
+            except RemoteProtocolError as exc:  # ended by an earlier item: never raised
+                counts["stale"] += 1
+                self.rejections.reject("workers", exc, now)
 
-    def _load_finished(self, mm_hash: str) -> str | None:
-        rids = self._loading.get(mm_hash)
-        if not rids:
-            return None
-        rid = rids.pop(0)
-        if not rids:
-            del self._loading[mm_hash]
-        return rid
+    def _load_lost(self, inst: Instance[Any] | None, effect: LoadLost) -> None:
+        request = self.bus.get(EC_REQUEST, effect.request_id)
+        if request is not None and not request.has("failed_cleanly"):
+            self.bus.dispatch(EC_REQUEST, request.key, EncodingLost(effect.mm_hash), self.bus.now)
 
     # -- end of a request ----------------------------------------------------------------
 
@@ -320,13 +403,11 @@ class ECScheduler:
         """Release the request; on a P2P producer return its `ec_transfer_params`: per
         `mm_hash`, metadata and address of a resident encoding, or empty metadata and no
         address when it cannot be served (R-E06)."""
+        self._open("request_finished")
         self.bus.advance(now)
         rid = request.request_id
         if self.bus.get(EC_REQUEST, rid) is not None:
             self.bus.dispatch(EC_REQUEST, rid, Finished(), now)
-        self._params.pop(rid, None)
-        for waiters in self._waiters.values():
-            waiters.discard(rid)
         if self.producer is None:
             return {}
         params: dict[str, dict[str, Any]] = {}
@@ -345,10 +426,25 @@ class ECScheduler:
             self.cache.deliver(mm_hash, Publish(), now)
         return params
 
+    def take_unavailable_requests(self) -> set[str]:
+        """Ids of the requests failed on the scheduler side since the last call (B-05)."""
+        return {failed.request_id for failed in self.take_failed_requests()}
+
     def take_failed_requests(self) -> list[FailRequest]:
-        """Requests failed on the scheduler side since the last call (B-05)."""
-        failed, self.failed_requests = self.failed_requests, []
-        return failed
+        """The same, with their reasons (use one of the two: both take the same
+        `ec.request_failure` notices), oldest first."""
+        taken = take_notices(self.bus, EC_REQUEST_FAILURE)
+        return [FailRequest(notice.ctx.request_id, notice.ctx.reason) for notice in taken]
+
+    def _request_failed(self, inst: Instance[Any] | None, effect: FailRequest) -> None:
+        """A request failed cleanly (B-05): an `ec.request_failure` notice for the engine."""
+        ctx = FailureCtx(next(self._failure_serials), effect.request_id, effect.reason)
+        self.bus.create(EC_REQUEST_FAILURE, ctx, self.bus.now)
+
+    def shutdown(self) -> None:
+        """From now on nothing is cached (`has_cache_item` is False) and every call raises
+        `LocalProtocolError`. The adapters close the edges. Idempotent."""
+        self.closed = True
 
     # -- P2P adapter events ----------------------------------------------------------------
     #
@@ -357,55 +453,88 @@ class ECScheduler:
     # ack arriving after the ack timeout, for a grant whose lease may be over, starts no
     # READ). Bad input raises `RemoteProtocolError` (counted) and changes nothing.
 
-    def _need_consumer(self) -> P2PConsumer:
+    def _need_consumer(self, call: str) -> P2PConsumer:
+        self._open(call)
         if self.consumer is None:
             raise LocalProtocolError("this scheduler is not a P2P consumer (ec_enable_nixl)")
         return self.consumer
 
-    def _need_producer(self) -> P2PProducer:
+    def _need_producer(self, call: str) -> P2PProducer:
+        self._open(call)
         if self.producer is None:
             raise LocalProtocolError("this scheduler is not a P2P producer (ec_enable_nixl)")
         return self.producer
 
-    def on_xfer_ack(self, data: bytes, now: float, *, peer: str | None = None) -> None:
-        """ZMQ: an `XferAck` arrived."""
-        self._need_consumer().on_xfer_ack(data, now, peer=peer)
+    def on_xfer_ack(self, data: bytes, now: float, *, peer: str) -> None:
+        """ZMQ: an `XferAck` arrived on the DEALER to producer `peer` (`host:port`)."""
+        self._need_consumer("on_xfer_ack").on_xfer_ack(data, now, peer=peer)
 
     def on_read_done(self, mm_hash: str, transfer_id: str, now: float) -> None:
-        """NIXL: the READ of `transfer_id` completed."""
-        self._need_consumer().on_read_done(mm_hash, transfer_id, now)
+        """NIXL: the READ of `transfer_id` completed and its handle was released."""
+        self._need_consumer("on_read_done").on_read_done(mm_hash, transfer_id, now)
 
     def on_read_failed(self, mm_hash: str, transfer_id: str, now: float) -> None:
-        """NIXL: the READ of `transfer_id` failed."""
-        self._need_consumer().on_read_failed(mm_hash, transfer_id, now)
+        """NIXL: the READ of `transfer_id` failed and its handle was released."""
+        self._need_consumer("on_read_failed").on_read_failed(mm_hash, transfer_id, now)
+
+    def on_read_released(self, mm_hash: str, now: float) -> None:
+        """NIXL: the handle of a quarantined READ (`ReleaseRead`) was released."""
+        self._need_consumer("on_read_released").on_read_released(mm_hash, now)
 
     def on_peer_disconnected(self, peer_host: str, peer_port: int, now: float) -> None:
         """ZMQ: the DEALER to producer `peer_host:peer_port` lost its peer."""
-        self._need_consumer().on_peer_disconnected(peer_host, peer_port, now)
+        consumer = self._need_consumer("on_peer_disconnected")
+        consumer.on_peer_disconnected(peer_host, peer_port, now)
 
     def on_consumer_disconnected(self, peer: bytes | str, now: float) -> None:
         """ZMQ: consumer identity `peer` left the ROUTER (its grants keep their lease)."""
-        self._need_producer().on_peer_disconnected(peer, now)
+        self._need_producer("on_consumer_disconnected").on_peer_disconnected(peer, now)
 
     def on_producer_message(self, peer: bytes | str, data: bytes, now: float) -> None:
         """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""
-        self._need_producer().on_message(peer, data, now)
+        self._need_producer("on_producer_message").on_message(peer, data, now)
 
     def register_nixl_agent(self, agent_name: str, agent_metadata: bytes, base_addr: int) -> None:
         """NIXL: the producer's agent registered the region at `base_addr`."""
-        self._need_producer().register_nixl_agent(agent_name, agent_metadata, base_addr)
+        producer = self._need_producer("register_nixl_agent")
+        producer.register_nixl_agent(agent_name, agent_metadata, base_addr)
 
     def drain_effects(self) -> list[object]:
         """Effects no handler took, in emission order."""
         return [effect for _, effect in self.bus.drain_outbox()]
 
     def counters(self) -> dict[str, int]:
-        """Counts of rejected input and P2P anomalies."""
+        """Counts of rejected input, worker reports and P2P anomalies."""
         out = {"bad_params": self.bad_params, "evictions": self.cache.evictions}
+        out.update({f"reports_{name}": n for name, n in self.report_counts.items()})
         if self.consumer is not None:
             out["consumer_remote_errors"] = self.consumer.remote_errors
             out["stale_acks"] = self.consumer.stale_acks
             out["late_completions"] = self.consumer.late_completions
+            out["unused_grants_released"] = self.consumer.unused_grants_released
         if self.producer is not None:
             out["producer_remote_errors"] = self.producer.remote_errors
         return out
+
+
+def _tokens_by_hash(request: ECRequest) -> dict[str, int]:
+    hashes, tokens = request.mm_hashes, request.mm_tokens
+    return {h: int(t) for h, t in zip(hashes, tokens, strict=False)}
+
+
+def _input(request: ECRequest, index: int) -> tuple[str, int]:
+    """(`mm_hash`, tokens) of input `index` of `request`; `LocalProtocolError` if bad."""
+    hashes, tokens = request.mm_hashes, request.mm_tokens
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(hashes):
+        raise LocalProtocolError(
+            f"request {request.request_id!r} has {len(hashes)} multimodal inputs; no index "
+            f"{index!r}"
+        )
+    if index >= len(tokens):
+        raise LocalProtocolError(
+            f"request {request.request_id!r} names no token count for input {index}"
+        )
+    count = tokens[index]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise LocalProtocolError(f"num_tokens must be a positive int, got {count!r}")
+    return hashes[index], count

@@ -1,29 +1,24 @@
-"""Pull-mode P lease lifecycle (B-09): P's finished blocks, held until D has read them.
+"""Pull-mode P lease lifecycle of one worker rank (B-09): P's finished blocks, held until
+D has read them.
 
-One instance per prefill request, keyed by P's request id, on P's main-thread bus.
-`request_finished` starts the lease and returns the pull params (P's coordinates, request
-id and block ids) for the proxy to put on the decode leg. D's READ carries the completion
-notif `<P request id>:<tp_size>`; when it arrives the lease ends and get_finished reports
-`finished_sending`. D's heartbeats extend the lease meanwhile; an unclaimed lease is
-reaped at expiry, in deadline order, exactly as in push mode (R-P11, B-07).
+One instance per prefill request, keyed by P's request id, on the rank's main-thread
+bus, created from the step's metadata. `request_finished` returned the pull params (P's
+coordinates, request id and block ids) for the proxy to put on the decode leg. D's READ
+carries the completion notif `<P request id>:<tp_size>`; when it arrives the lease ends
+and the rank reports the blocks free. D's heartbeats extend the lease meanwhile; an
+unclaimed lease is reaped at expiry, in deadline order, exactly as in push mode (R-P11,
+B-07). P never connects to D in pull mode, so it cannot tell D's agents from others:
+any completion or heartbeat naming the request is taken (the threat model says so).
 
-`Completion` and `Heartbeat` come from D: one the state does not declare is a
-`RemoteProtocolError` that changes nothing. Tags: `heartbeat_extends` (D's heartbeats
-extend the lease), `confirmable` (reported to the engine, awaiting
-`update_connector_output`).
+Tags: `heartbeat_extends`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvhandoff.machines.push.effects import QueueEviction, ReportFinishedSending
-from kvhandoff.machines.push.events import (
-    Completion,
-    FinishedSending,
-    Heartbeat,
-    LeaseExpired,
-)
+from kvhandoff.machines.push.effects import ReportFinishedSending
+from kvhandoff.machines.push.events import Completion, Heartbeat, LeaseExpired
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 
@@ -43,15 +38,11 @@ def extend_lease(ctx: PullLeaseCtx, event: Heartbeat) -> list[Effect]:
 
 
 def done_sending(ctx: PullLeaseCtx, event: Completion) -> list[Effect]:
-    return [ReportFinishedSending(ctx.key), QueueEviction(ctx.key), Metric("pull.p.read_by_d")]
+    return [ReportFinishedSending(ctx.key), Metric("pull.p.read_by_d")]
 
 
 def reap(ctx: PullLeaseCtx, event: LeaseExpired) -> list[Effect]:
-    return [
-        ReportFinishedSending(ctx.key),
-        QueueEviction(ctx.key),
-        Metric("pull.p.lease_expired"),
-    ]
+    return [ReportFinishedSending(ctx.key), Metric("pull.p.lease_expired")]
 
 
 PULL_P_LEASE: Declaration[PullLeaseCtx] = Declaration(
@@ -59,22 +50,14 @@ PULL_P_LEASE: Declaration[PullLeaseCtx] = Declaration(
     description=__doc__ or "",
     states=[
         {"name": "finished", "timeout": LEASE, "tags": ("heartbeat_extends",)},
-        {"name": "reported", "tags": ("confirmable",)},
         {"name": "sent", "final": True},
         {"name": "expired", "final": True},
     ],
     initial="finished",
     transitions=[
-        {
-            "trigger": Completion,
-            "source": "finished",
-            "dest": "reported",
-            "after": "done_sending",
-        },
+        {"trigger": Completion, "source": "finished", "dest": "sent", "after": "done_sending"},
         {"trigger": Heartbeat, "source": "finished", "dest": None, "after": "extend_lease"},
-        {"trigger": FinishedSending, "source": "reported", "dest": "sent"},
     ],
-    ignore=[("reported", Heartbeat), ("reported", Completion)],
     callbacks={"extend_lease": extend_lease, "done_sending": done_sending, "reap": reap},
     config_defaults={"kv_lease_duration": 30.0},
     context=PullLeaseCtx,

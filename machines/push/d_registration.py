@@ -1,57 +1,49 @@
-"""D registration lifecycle: D's pre-allocated blocks, from allocation to received KV.
+"""D registration lifecycle of one worker rank: this rank's blocks, from the step's
+metadata to received KV (R-P02, R-P05, R-P08, R-P12, R-T03, R-T04, B-10, S-02).
 
-One instance per decode request, keyed by D's request id, on D's main-thread bus.
+One instance per decode request, keyed by D's request id, on the rank's main-thread bus.
 
-- `update_state_after_alloc` stashes the registration and arms the watchdog (R-P02, R-P10).
-- `build_connector_meta` drains it into `meta.push_registrations` (`drained`).
-- `start_load_kv` enqueues it on the reg-send inbox (`enqueued`).
-- The writer reports back: the D->P handshake started and was replayed (R-P05), or the
-  `PUSH_REG` notif left (`reg_sent`); a failed handshake or `send_notif` fails the
-  receive and marks the blocks invalid (R-P12).
-- P's completion notifs `<request_id>:<tp_size>` arrive (R-P06, R-P08); once every P rank
-  writing into this rank has reported, get_finished reports `finished_recving` and the
-  scheduler's `update_connector_output` clears the watchdog (R-P09).
-- B-06: a WRITE-failed notif from P fails the receive at once.
-- The watchdog spans every state until the receive is reported: on expiry the registration
-  is dropped with a warning and never re-sent; the request stays awaiting its KV until
-  the engine's own abort path fails it (R-P10).
+- `start_load_kv` hands the registration to the writer thread (`Enqueued`), which sends
+  this rank's `PUSH_REG` to the P ranks that write into it, every stage of a PP producer
+  (R-T04), through the handshake machine (R-P05). The writer reports the handshake and
+  the send back; a failed handshake or `send_notif` fails this rank's part (R-P12).
+- P's completion notifs `<request_id>:<tp_size>` arrive forwarded by the writer (R-P08).
+  Each counts once per P rank that writes into this rank: vLLM 0.33 counts
+  `pp x max(1, P.tp / D.tp)` of them; here each must come from an agent of the P engine
+  the registration was sent to, from a rank that writes into this one, with P's TP size
+  (S-02): anything else is a `RemoteProtocolError` that changes nothing, and a second
+  completion from the same rank is a counted duplicate.
+- A `PUSH_FAIL` notif (B-10) counts like a completion: once every writer reported, the
+  part is failed and its blocks invalid.
+- The scheduler ends what it gave up on (watchdog, abort): `End` drops it at once.
 
-`Completion` and `WriteFailed` come from P: one the state does not declare (a `PUSH_FAIL`
-after the last completion, a completion after a `PUSH_FAIL`, a duplicate after the
-request ended) is a `RemoteProtocolError` that changes nothing. Tags: `drainable` (the
-next connector meta carries it), `reg_unsent` (its `PUSH_REG` has not left yet),
-`needs_heartbeat` (D keeps P's lease alive for it), `confirmable` (reported to the
-engine, awaiting `update_connector_output`), `abortable` (the engine's abort path ends
-it; once its receive is reported there is nothing left to abort), `unreported` (ended
-without a report: the engine's abort path must fail it).
+Tags: `reg_unsent` (its `PUSH_REG` has not left yet), `receiving`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvhandoff.machines.push.effects import (
-    EnqueueRegistration,
-    QueueEviction,
+    CountFailure,
+    EvictRegistration,
+    ReportEnded,
     ReportFailedRecving,
     ReportFinishedRecving,
-    Warn,
+    SendRegistration,
 )
 from kvhandoff.machines.push.events import (
-    Abort,
     Completion,
-    Drained,
+    End,
     Enqueued,
-    FinishedRecving,
     HandshakeDone,
     HandshakeFailed,
     HandshakeStarted,
     RegSent,
     SendFailed,
-    WatchdogExpired,
     WriteFailed,
 )
-from kvhandoff.machines.runtime.declaration import Declaration, Timeout
+from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.protocol.push_wire import PushRegistration
 
@@ -60,86 +52,140 @@ from kvhandoff.protocol.push_wire import PushRegistration
 class DRegistrationCtx:
     key: str
     registration: PushRegistration
-    completions_needed: int = 1
-    completions_seen: int = 0
+    writers: frozenset[int] = frozenset({0})
+    """The global P ranks whose WRITEs land in this rank (`tp_mapping.writers_of`)."""
+    seen: set[int] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
 
 
-WATCHDOG = Timeout(
-    "push_registration_timeout", "expired", WatchdogExpired, action="drop_registration"
-)
+Notified = Completion | WriteFailed
+
+
+def from_writer(ctx: DRegistrationCtx, event: Notified) -> bool:
+    """S-02: an agent of the P engine this rank registered with, of a rank that writes
+    here, speaking P's TP size."""
+    reg = ctx.registration
+    if event.engine != reg.remote_engine_id or event.rank not in ctx.writers:
+        return False
+    return not isinstance(event, Completion) or event.tp_size == reg.remote_tp_size
+
+
+def repeated(ctx: DRegistrationCtx, event: Notified) -> bool:
+    return event.rank in ctx.seen
+
+
+def completes(ctx: DRegistrationCtx, event: Notified) -> bool:
+    return len(ctx.seen | {event.rank}) >= len(ctx.writers)
+
+
+def clean(ctx: DRegistrationCtx, event: Completion) -> bool:
+    return not ctx.failures
+
+
+def count(ctx: DRegistrationCtx, event: Notified) -> None:
+    if event.rank is not None:
+        ctx.seen.add(event.rank)
+    if isinstance(event, WriteFailed):
+        ctx.failures.append(f"P rank {event.rank}: {event.reason or 'WRITE failed'}")
+
+
+def count_duplicate(ctx: DRegistrationCtx, event: Notified) -> list[Effect]:
+    return [Metric("push.d.duplicate_completions")]
 
 
 def enqueue(ctx: DRegistrationCtx, event: Enqueued) -> list[Effect]:
-    return [EnqueueRegistration(ctx.key, ctx.registration)]
-
-
-def count_completion(ctx: DRegistrationCtx, event: Completion) -> None:
-    ctx.completions_seen += 1
-
-
-def last_completion(ctx: DRegistrationCtx, event: Completion) -> bool:
-    return ctx.completions_seen + 1 >= ctx.completions_needed
+    return [SendRegistration(ctx.key, ctx.registration)]
 
 
 def finish_recv(ctx: DRegistrationCtx, event: Completion) -> list[Effect]:
-    ctx.completions_seen += 1
+    count(ctx, event)
     return [ReportFinishedRecving(ctx.key)]
 
 
 def fail_recv(
-    ctx: DRegistrationCtx, event: HandshakeFailed | SendFailed | WriteFailed
+    ctx: DRegistrationCtx, event: Notified | HandshakeFailed | SendFailed
 ) -> list[Effect]:
-    reason = "push registration failed"
-    if isinstance(event, WriteFailed) and event.reason:
-        reason = event.reason
-    return [
-        ReportFailedRecving(ctx.key, ctx.registration.block_ids, reason),
-        QueueEviction(ctx.key),
-        Metric("push.d.failed_recv"),
+    effects: list[Effect] = []
+    if isinstance(event, Completion | WriteFailed):
+        count(ctx, event)
+        reason = "; ".join(ctx.failures)
+        effects.append(CountFailure("transfer_error"))
+    elif isinstance(event, HandshakeFailed):
+        reason = "push handshake with the prefill engine failed"
+        effects.append(CountFailure("handshake"))
+    else:
+        reason = "PUSH_REG could not be sent"
+        effects.append(CountFailure("post"))
+    blocks = ctx.registration.block_ids
+    return [ReportFailedRecving(ctx.key, blocks, reason), EvictRegistration(ctx.key), *effects]
+
+
+def drop(ctx: DRegistrationCtx, event: End) -> list[Effect]:
+    return [ReportEnded(ctx.key), EvictRegistration(ctx.key)]
+
+
+_NOTIFIED = (Completion, WriteFailed)
+_OPEN = ["new", "queued", "awaiting_handshake", "receiving"]
+
+
+def _notified(trigger: type[Notified]) -> list[dict[str, object]]:
+    """A writer's notif: a second one from the same rank is a duplicate; the last one
+    ends this rank's part, received only if every writer completed."""
+    rows: list[dict[str, object]] = [
+        {"conditions": ["from_writer", "repeated"], "dest": None, "after": "count_duplicate"},
     ]
+    if trigger is Completion:
+        rows.append(
+            {
+                "conditions": ["from_writer", "completes", "clean"],
+                "unless": "repeated",
+                "dest": "received",
+                "after": "finish_recv",
+            }
+        )
+        rows.append(
+            {
+                "conditions": ["from_writer", "completes"],
+                "unless": ["repeated", "clean"],
+                "dest": "failed",
+                "after": "fail_recv",
+            }
+        )
+    else:
+        rows.append(
+            {
+                "conditions": ["from_writer", "completes"],
+                "unless": "repeated",
+                "dest": "failed",
+                "after": "fail_recv",
+            }
+        )
+    rows.append(
+        {
+            "conditions": "from_writer",
+            "unless": ["repeated", "completes"],
+            "dest": None,
+            "after": "count",
+        }
+    )
+    return [{"trigger": trigger, "source": "receiving", **row} for row in rows]
 
-
-def drop_registration(ctx: DRegistrationCtx, event: WatchdogExpired) -> list[Effect]:
-    return [
-        Warn(ctx.key, "push registration watchdog expired; dropped, not re-sent"),
-        QueueEviction(ctx.key),
-        Metric("push.d.watchdog_expired"),
-    ]
-
-
-def drop_aborted(ctx: DRegistrationCtx, event: Abort) -> list[Effect]:
-    return [QueueEviction(ctx.key)]
-
-
-_IN_FLIGHT = ["queued", "awaiting_handshake", "sent"]
 
 D_REGISTRATION: Declaration[DRegistrationCtx] = Declaration(
     name="push.d_registration",
     description=__doc__ or "",
     states=[
-        {
-            "name": "stashed",
-            "timeout": WATCHDOG,
-            "tags": ("drainable", "reg_unsent", "abortable"),
-        },
-        {"name": "in_meta", "timeout": WATCHDOG, "tags": ("reg_unsent", "abortable")},
-        {"name": "queued", "timeout": WATCHDOG, "tags": ("reg_unsent", "abortable")},
-        {
-            "name": "awaiting_handshake",
-            "timeout": WATCHDOG,
-            "tags": ("reg_unsent", "abortable"),
-        },
-        {"name": "sent", "timeout": WATCHDOG, "tags": ("needs_heartbeat", "abortable")},
-        {"name": "reported", "tags": ("confirmable",)},
+        {"name": "new", "tags": ("reg_unsent",)},
+        {"name": "queued", "tags": ("reg_unsent",)},
+        {"name": "awaiting_handshake", "tags": ("reg_unsent",)},
+        {"name": "receiving", "tags": ("receiving",)},
         {"name": "received", "final": True},
-        {"name": "expired", "final": True, "tags": ("unreported",)},
         {"name": "failed", "final": True},
-        {"name": "aborted", "final": True, "tags": ("unreported",)},
+        {"name": "ended", "final": True},
     ],
-    initial="stashed",
+    initial="new",
     transitions=[
-        {"trigger": Drained, "source": "stashed", "dest": "in_meta"},
-        {"trigger": Enqueued, "source": "in_meta", "dest": "queued", "after": "enqueue"},
+        {"trigger": Enqueued, "source": "new", "dest": "queued", "after": "enqueue"},
         {"trigger": HandshakeStarted, "source": "queued", "dest": "awaiting_handshake"},
         {"trigger": HandshakeDone, "source": "awaiting_handshake", "dest": "queued"},
         {
@@ -148,36 +194,22 @@ D_REGISTRATION: Declaration[DRegistrationCtx] = Declaration(
             "dest": "failed",
             "after": "fail_recv",
         },
-        {"trigger": RegSent, "source": "queued", "dest": "sent"},
+        {"trigger": RegSent, "source": "queued", "dest": "receiving"},
         {"trigger": SendFailed, "source": "queued", "dest": "failed", "after": "fail_recv"},
-        {
-            "trigger": Completion,
-            "source": "sent",
-            "dest": "reported",
-            "conditions": "last_completion",
-            "after": "finish_recv",
-        },
-        {"trigger": Completion, "source": "sent", "dest": None, "after": "count_completion"},
-        {"trigger": WriteFailed, "source": _IN_FLIGHT, "dest": "failed", "after": "fail_recv"},
-        {"trigger": FinishedRecving, "source": "reported", "dest": "received"},
-        {
-            "trigger": Abort,
-            "source": ["stashed", "in_meta", *_IN_FLIGHT],
-            "dest": "aborted",
-            "after": "drop_aborted",
-        },
+        *(row for trigger in _NOTIFIED for row in _notified(trigger)),
+        {"trigger": End, "source": _OPEN, "dest": "ended", "after": "drop"},
     ],
-    # A duplicated completion after the last one changes nothing.
-    ignore=[("reported", Completion)],
     callbacks={
+        "from_writer": from_writer,
+        "repeated": repeated,
+        "completes": completes,
+        "clean": clean,
+        "count": count,
+        "count_duplicate": count_duplicate,
         "enqueue": enqueue,
-        "count_completion": count_completion,
-        "last_completion": last_completion,
         "finish_recv": finish_recv,
         "fail_recv": fail_recv,
-        "drop_registration": drop_registration,
-        "drop_aborted": drop_aborted,
+        "drop": drop,
     },
-    config_defaults={"push_registration_timeout": 480.0},
     context=DRegistrationCtx,
 )

@@ -1,9 +1,14 @@
 """Effects of the push-mode machines: what they ask the edges to do, as data.
 
-Main-thread effects are executed by the worker's adapter (inbox hand-offs, heartbeats,
-engine reports); writer-thread effects by the push writer thread (NIXL notifs, WRITEs,
-handshakes on the executor, self-poll). In the sans-IO tests they land in the bus
-outbox and a simulated fabric executes them.
+- Scheduler effects (`push.d_request`, `push.p_request`) report to the engine: the
+  aggregated `finished_recving`, `failed_recving`, `finished_sending`.
+- Rank main-thread effects report to the scheduler (the rank's output) and hand typed
+  commands to the writer thread (`WriterCommand`: one FIFO, because their relative order
+  matters: a lease revoked after its blocks were staged must reach the writer after them).
+- Writer effects are NIXL notifs, WRITEs and READs, handshakes on the executor, the
+  writer's reports to its main thread, and the self-poll switch.
+
+In the sans-IO tests they land in the bus outbox and a simulated fabric executes them.
 """
 
 from __future__ import annotations
@@ -16,30 +21,131 @@ from kvhandoff.protocol.legs import PullSource
 from kvhandoff.protocol.notifs import Notif
 from kvhandoff.protocol.push_wire import PushRegistration
 
-# -- main thread -> writer thread (the seed's inboxes) ---------------------------------
+# -- reports (rank -> scheduler, scheduler -> engine) ----------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class EnqueueRegistration(Effect):
-    """D worker: put (request_id, registration) on the reg-send inbox (R-P02)."""
+class ReportFinishedRecving(Effect):
+    """D: the request's KV arrived (a rank's part of it, or all of it) (R-P09)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportFailedRecving(Effect):
+    """D: the pre-allocated blocks are invalid; the receive failed (R-P12, B-10)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportFinishedSending(Effect):
+    """P: the blocks may be freed (WRITEs done or failed, or the lease ran out) (R-P09)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportEnded(Effect):
+    """A rank dropped a request the scheduler ended: its memory is the engine's again."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportPosted(Effect):
+    """Pull mode: a rank posted the READ into D's blocks (the scheduler's watchdog stops)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CountFailure(Effect):
+    """Count one failure under its cause (B-14): handshake, post, transfer_error, timeout,
+    peer_gone, rejected."""
+
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
+class Warn(Effect):
+    """Log a warning with the request it concerns."""
+
+    request_id: str
+    message: str
+
+
+# -- main thread -> writer thread (typed commands, one FIFO) ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendRegistration(Effect):
+    """D: send this rank's `PUSH_REG` to the P ranks that write into it (R-P02)."""
 
     request_id: str
     registration: PushRegistration
 
 
 @dataclass(frozen=True, slots=True)
-class EnqueueFinishedBlocks(Effect):
-    """P worker: put (request_id, block_ids) on the finished-blocks inbox (R-P03)."""
+class StageBlocks(Effect):
+    """P: the finished blocks, for matching with D's registrations (R-P03)."""
 
     request_id: str
     block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class QueueEviction(Effect):
-    """Put request_id on the evict-finished inbox: the writer drops its stale state (R-P09)."""
+class RevokeLease(Effect):
+    """P: the lease ran out; post nothing from these blocks any more and say `Revoked`."""
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportWriteError(Effect):
+    """P: the request's WRITEs ended in error; tell the D ranks they went to (`d_ranks`,
+    empty: every target) where they speak `PUSH_FAIL` (B-10)."""
+
+    request_id: str
+    reason: str
+    d_ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EvictRegistration(Effect):
+    """D: the registration ended; drop any send of it still waiting for a handshake."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartRead(Effect):
+    """D, pull mode: READ P's blocks (through the handshake)."""
+
+    request_id: str
+    source: PullSource
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeRead(Effect):
+    """D, pull mode: the read ended; post nothing for it any more and say `Revoked`."""
+
+    request_id: str
+
+
+WriterCommand = (
+    SendRegistration
+    | StageBlocks
+    | RevokeLease
+    | ReportWriteError
+    | EvictRegistration
+    | StartRead
+    | RevokeRead
+)
+"""What a rank's main thread hands its writer thread, in one FIFO."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,106 +155,53 @@ class WakeWriter(Effect):
 
 @dataclass(frozen=True, slots=True)
 class PollTransfer(Effect):
-    """Main thread: check a posted WRITE's (or pull READ's) transfer status and report
-    `WriteDone` / `WriteError` (`ReadDone` / `ReadError`)."""
+    """Main thread: check the request's posted WRITEs (or pull READ) and report
+    `WriteDone` / `WriteError` (`ReadDone` / `ReadError`) once they all ended."""
 
     request_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseTransfer(Effect):
-    """P main thread: a WRITE timed out; release its handle (NIXL cancels it in flight)."""
+    """Main thread: the transfer timed out; release its handles (NIXL cancels them)."""
 
     request_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class SendHeartbeat(Effect):
-    """D main thread: send `HB:<ids>` to the prefill engine (R-P08, R-P15)."""
-
-    engine_id: str
-    request_ids: tuple[str, ...]
-
-
-# -- reports to the engine -----------------------------------------------------------
+# -- writer thread ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class ReportFinishedRecving(Effect):
-    """D: the request's KV arrived; reported by get_finished (R-P09)."""
+class RankRegistration:
+    """One D rank's `PUSH_REG` for a request, and the agent it came from."""
 
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReportFailedRecving(Effect):
-    """D: the pre-allocated blocks are invalid; the receive failed (R-P12, B-06)."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReportFinishedSending(Effect):
-    """P: the blocks may be freed (WRITE done or lease reaped) (R-P09, R-P11)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Warn(Effect):
-    """Log a warning once, with the request it concerns."""
-
-    request_id: str
-    message: str
-
-
-# -- writer thread -------------------------------------------------------------------
+    d_rank: int
+    registration: PushRegistration
+    sender: str
 
 
 @dataclass(frozen=True, slots=True)
 class StartHandshake(Effect):
-    """Run the side-channel handshake with `engine_id` on the handshake executor (R-P05)."""
+    """Fetch `engine_id`'s handshake at host:port on the handshake executor (R-P05);
+    its result names `attempt`, so a late result of an older attempt is told apart."""
 
     engine_id: str
     host: str
     port: int
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class DropRemoteAgent(Effect):
-    """Forget a remote agent whose peer was lost, so the next use re-handshakes (B-08)."""
+    """Forget a remote engine's agents (evicted idle, or lost), so the next use
+    re-handshakes (B-08, B-11)."""
 
     engine_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class SendPushReg(Effect):
-    """D writer: send_notif `PUSH_REG:<msgpack>` to P's agent; report reg_sent / send_failed."""
-
-    request_id: str
-    registration: PushRegistration
-
-
-@dataclass(frozen=True, slots=True)
-class IssueWrite(Effect):
-    """P writer: NIXL WRITE `block_ids` into D's registered blocks (R-P06).
-
-    The executor expands D's logical ids with the ratio learnt in the handshake, posts the
-    WRITE with completion notif `<registration.request_id>:<tp_size>`, and reports
-    write_posted, or write_submit_failed after sending the WRITE-failed notif (B-06).
-    """
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    registration: PushRegistration
-    sender_agent: str = ""  # the agent the PUSH_REG came from; WRITE only into that one
-
-
-@dataclass(frozen=True, slots=True)
 class ReplayRegistration(Effect):
-    """Handshake done: re-queue a deferred registration on the reg-send inbox (R-P05)."""
+    """D: send a `PUSH_REG` once its P engine is connected (R-P05)."""
 
     request_id: str
     registration: PushRegistration
@@ -156,20 +209,93 @@ class ReplayRegistration(Effect):
 
 @dataclass(frozen=True, slots=True)
 class ReplayPush(Effect):
-    """Handshake done: re-queue a matched push on the deferred-push inbox (R-P05)."""
+    """P: WRITE `block_ids` into the D ranks that registered, once D is connected (R-P05).
+
+    The executor trims P's blocks to D's count (R-T05), expands both sides' logical ids,
+    checks every registration against D's handshake (S-04) and posts one WRITE per
+    target rank with completion notif `<D request id>:<P tp_size>` (R-P06, R-T03)."""
 
     request_id: str
     block_ids: tuple[int, ...]
+    engine_id: str
+    registrations: tuple[RankRegistration, ...]
+    retried: bool = False
+    """Sent again after a re-handshake (B-08): a registration that still disagrees with
+    D's agents is stale."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRead(Effect):
+    """D, pull mode: READ P's blocks once P is connected."""
+
+    request_id: str
+    source: PullSource
+    block_ids: tuple[int, ...]
+
+
+DeferredOp = ReplayRegistration | ReplayPush | ReplayRead
+"""An operation that needs its remote engine connected."""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelDeferred(Effect):
+    """Drop `request_id`'s operation if it still waits for `engine_id`'s handshake."""
+
+    engine_id: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredFailed(Effect):
+    """`op` waited for a handshake that failed; it will never run (R-P12)."""
+
+    op: DeferredOp
+
+
+@dataclass(frozen=True, slots=True)
+class SendPushReg(Effect):
+    """D writer: send_notif `PUSH_REG:<msgpack>` to the P ranks that write into this rank."""
+
+    request_id: str
     registration: PushRegistration
-    sender_agent: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class IssueWrite(Effect):
+    """P writer: post the WRITEs of a matched push (see `ReplayPush`)."""
+
+    op: ReplayPush
+
+
+@dataclass(frozen=True, slots=True)
+class IssueRead(Effect):
+    """D writer, pull mode: READ P's blocks into D's, with completion notif to P."""
+
+    request_id: str
+    source: PullSource
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendPushFail(Effect):
+    """P writer: tell D ranks `d_ranks` of a failed push (empty: every target of `op`),
+    where they speak `PUSH_FAIL` (B-10)."""
+
+    op: ReplayPush
+    reason: str
+    d_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardToMain(Effect):
-    """Put a HB / completion / WRITE-failed notif on the pending-completion-notifs queue."""
+    """Put a HB / completion / `PUSH_FAIL` notif on the pending-completion-notifs queue,
+    with the engine and global rank of the sending agent as far as the writer knows them
+    (None for an agent of no known engine)."""
 
     notif: Notif
     peer: str
+    engine: str | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +309,26 @@ class ReportToMain(Effect):
 
 
 @dataclass(frozen=True, slots=True)
+class DroppedRegistration(Effect):
+    """P writer: a `PUSH_REG` was dropped without being matched (`reason`: duplicate of
+    a registration already held or served, superseded, expired)."""
+
+    d_request_id: str
+    reason: str
+    d_rank: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class HoldPending(Effect):
+    """P writer: a `PUSH_REG` from `peer` holding `blocks` ids starts (`count` 1) or stops
+    (`count` -1) waiting for its blocks: the caps' accounting (S-03)."""
+
+    peer: str
+    blocks: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class ArmSelfPoll(Effect):
     """P finished blocks wait for a PUSH_REG: poll notifs every `interval_s` (R-P07)."""
 
@@ -192,34 +338,3 @@ class ArmSelfPoll(Effect):
 @dataclass(frozen=True, slots=True)
 class DisarmSelfPoll(Effect):
     """Nothing waits for a PUSH_REG any more: block on the wake event again (R-P07)."""
-
-
-# -- pull mode on the same base (B-09) -------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EnqueueRead(Effect):
-    """D worker: hand a pull read to the writer thread (it goes through the handshake)."""
-
-    request_id: str
-    source: PullSource
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayRead(Effect):
-    """Handshake done: re-queue a deferred pull read on the pull-read inbox."""
-
-    request_id: str
-    source: PullSource
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class IssueRead(Effect):
-    """D writer: NIXL READ P's blocks into D's, with completion notif to P; report
-    read_posted or read_submit_failed."""
-
-    request_id: str
-    source: PullSource
-    block_ids: tuple[int, ...]

@@ -1,15 +1,23 @@
 """Events of the push-mode and pull-mode lifecycles (`push.*`, `pull.*`).
 
-D's registration and read, P's push and pull leases share this vocabulary: the engine
-API delivers some (`Drained`, `Enqueued`, `Staged`, `FinishedRecving`, `Abort`...), the
-writer thread reports others back to the main thread (`ReportToMain`: the handshake, the
-PUSH_REG send, the WRITE or READ post), get_finished's poll of a posted transfer the
-rest. The handshake machine's own events live in `handshake.py`.
+Three buses per engine share this vocabulary (R-T01):
 
-Peer events, provoked by bytes from the other engine: `Completion` (a WRITE's or READ's
-completion notif), `WriteFailed` (P's `PUSH_FAIL` notif), `Heartbeat` (D's `HB:` notif)
-and `Matched` (D's `PUSH_REG` met P's finished blocks). A state that does not declare one
-rejects it with `RemoteProtocolError` and changes nothing; the worker counts and logs it.
+- the scheduler's (`push.d_request`, `push.p_request`): the engine API (`Drained`,
+  `Abort`), the watchdog, and the ranks' reports aggregated from their outputs
+  (`RankReceived`, `RankRecvFailed`, `RankSent`, `RankEnded`, `RankPosted`);
+- each worker rank's main thread (`push.d_registration`, `push.p_lease`, `pull.*`): the
+  step's metadata (`Enqueued`, `Staged`, `End`), the writer thread's reports
+  (`ReportToMain`: handshake, PUSH_REG sent, WRITE posted, lease revoked), the peers'
+  notifs the writer forwards, and get_finished's poll of a posted transfer;
+- each rank's writer thread (`push.match`, `push.remote_engine`): their events live in
+  their own modules.
+
+Peer events, provoked by bytes from the other engine, derive from `PeerEvent`:
+`Completion`, `WriteFailed` (P's `PUSH_FAIL`), `Heartbeat` (D's `HB:`) and `Matched` (D's
+`PUSH_REG` met P's blocks). Each names the engine and rank the sending agent belongs to,
+as far as this side knows (None for an agent of no known engine), so a machine accepts it
+only from the peer the request is bound to (S-02); an event a state does not declare, or
+that its guards refuse, is a `RemoteProtocolError` that changes nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +30,8 @@ __all__ = [
     "Abort",
     "Completion",
     "Drained",
+    "End",
     "Enqueued",
-    "FinishedRecving",
-    "FinishedSending",
     "HandshakeDone",
     "HandshakeFailed",
     "HandshakeStarted",
@@ -32,12 +39,18 @@ __all__ = [
     "LeaseExpired",
     "Matched",
     "Poll",
+    "RankEnded",
+    "RankPosted",
+    "RankReceived",
+    "RankRecvFailed",
+    "RankSent",
     "ReadDone",
     "ReadError",
     "ReadPosted",
     "ReadSubmitFailed",
     "ReadTimeout",
     "RegSent",
+    "Revoked",
     "SendFailed",
     "Staged",
     "WatchdogExpired",
@@ -50,12 +63,56 @@ __all__ = [
 ]
 
 
-# -- the engine API ------------------------------------------------------------------------
+# -- the engine API and the scheduler ------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Drained(Event):
-    """`build_connector_meta` put the registration or read in this step's meta."""
+    """`build_connector_meta` put the registration, blocks or read in this step's meta."""
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Event):
+    """The engine's request-level abort path ends the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankReceived(Event):
+    """Worker rank `rank` has every byte of the request (its completions all arrived)."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecvFailed(Event):
+    """Worker rank `rank` failed its part of the receive."""
+
+    rank: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSent(Event):
+    """Worker rank `rank` is done with P's blocks (its WRITEs ended or its lease ran out)."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnded(Event):
+    """Worker rank `rank` dropped the request the scheduler ended."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankPosted(Event):
+    """Pull mode: worker rank `rank` posted its READ into D's blocks."""
+
+    rank: int
+
+
+# -- a worker rank's main thread: the step's metadata ------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,21 +126,11 @@ class Staged(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class FinishedRecving(Event):
-    """The engine took the reported receive (`update_connector_output`)."""
+class End(Event):
+    """The scheduler ended the request (watchdog, abort): drop it."""
 
 
-@dataclass(frozen=True, slots=True)
-class FinishedSending(Event):
-    """The engine took the reported send and frees the blocks (`update_connector_output`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Abort(Event):
-    """The engine's request-level abort path ends the registration or read."""
-
-
-# -- reports of the writer thread ----------------------------------------------------------
+# -- reports of the writer thread -----------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +150,7 @@ class HandshakeFailed(Event):
 
 @dataclass(frozen=True, slots=True)
 class RegSent(Event):
-    """D's `PUSH_REG` left for P."""
+    """D's `PUSH_REG` left for the P ranks that write into this rank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +160,30 @@ class SendFailed(Event):
 
 @dataclass(frozen=True, slots=True)
 class Matched(PeerEvent):
-    """P's writer matched the finished blocks with D's `PUSH_REG` (R-P04)."""
+    """P's writer matched the blocks with the `PUSH_REG`s of D engine `engine` (R-P04),
+    sent by the D agents `agents`."""
+
+    engine: str = ""
+    agents: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class WritePosted(Event):
-    """P's WRITE into D's blocks left (R-P06)."""
+    """P's WRITEs into D's blocks left, `targets` of them (R-P06, R-T03)."""
+
+    targets: int = 1
 
 
 @dataclass(frozen=True, slots=True)
 class WriteSubmitFailed(Event):
-    """P's WRITE failed to post; D was told (B-06)."""
+    """P's WRITE failed to post; D was told where it listens (B-10)."""
+
+    cause: str = "post"
+
+
+@dataclass(frozen=True, slots=True)
+class Revoked(Event):
+    """The writer acknowledged a revoked lease: it will post nothing from it any more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +206,14 @@ class Poll(Event):
 
 @dataclass(frozen=True, slots=True)
 class WriteDone(Event):
-    """The WRITE completed."""
+    """Every WRITE of the request completed."""
 
 
 @dataclass(frozen=True, slots=True)
 class WriteError(Event):
-    """The WRITE ended in error."""
+    """The request's WRITEs ended, at least one in error: those into `failed_ranks`."""
+
+    failed_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,20 +231,34 @@ class ReadError(Event):
 
 @dataclass(frozen=True, slots=True)
 class Completion(PeerEvent):
-    """A completion notif `<request_id>:<tp_size>`: the peer's WRITE landed in D's blocks
-    (push), or D's READ of P's blocks is done (pull) (R-P06, R-P08)."""
+    """A completion notif `<request_id>:<tp_size>`: a P rank's WRITE landed in this D
+    rank's blocks (push), or D's READ of P's blocks is done (pull) (R-P06, R-P08).
+    `engine` / `rank` identify the sending agent (None: an agent of no known engine)."""
+
+    sender: str = ""
+    engine: str | None = None
+    rank: int | None = None
+    tp_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
 class WriteFailed(PeerEvent):
-    """P's `PUSH_FAIL` notif: its WRITE into D's blocks failed to post (B-06)."""
+    """P's `PUSH_FAIL` notif: a P rank's WRITE into this rank failed (B-10); counted like
+    a completion, it marks the blocks invalid."""
 
+    sender: str = ""
+    engine: str | None = None
+    rank: int | None = None
     reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(PeerEvent):
-    """D's `HB:` notif names the request: extend its lease (R-P08, R-P15)."""
+    """D's `HB:` notif names the request: extend its lease (R-P08, R-P15). `engine`
+    identifies the sending agent (None: not yet handshaked), `sender` is its name."""
+
+    engine: str | None = None
+    sender: str = ""
 
 
 # -- timeouts --------------------------------------------------------------------------------
@@ -200,7 +276,7 @@ class LeaseExpired(Event):
 
 @dataclass(frozen=True, slots=True)
 class WriteTimeout(Event):
-    """P's posted WRITE outlived `push_write_timeout`."""
+    """P's posted WRITEs outlived `push_write_timeout`."""
 
 
 @dataclass(frozen=True, slots=True)

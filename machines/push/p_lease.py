@@ -1,31 +1,31 @@
-"""P lease lifecycle: P's finished KV blocks, held until they are pushed or reaped.
+"""P lease lifecycle of one worker rank: this rank's share of P's finished blocks, held
+until it is pushed or the lease runs out (R-P03..R-P06, R-P08, R-P11, R-P12, B-10, S-02).
 
-One instance per prefill request, keyed by P's request id, on P's main-thread bus.
+One instance per prefill request, keyed by P's request id, on the rank's main-thread bus;
+this bus is the only owner of the lease. The writer thread owns matching and the posting
+of WRITEs; the two talk only through typed commands and reports (no shared state, no
+lock):
 
-- `request_finished` stashes the block ids and starts the lease (`kv_lease_duration`,
-  R-P03, R-P11); `start_load_kv` hands them to the writer's finished-blocks inbox.
-- The writer reports back: a `PUSH_REG` matched them (R-P04); the P->D handshake started
-  and was replayed (R-P05); the WRITE was posted or failed to post (R-P06, R-P12). A
-  failed handshake is logged as `push_handshake_failed` and dropped, and a failed submit
-  is counted; neither reports a failed receive: the lease reclaims the blocks (R-P12).
-- D's heartbeats extend the lease to max(deadline, now + `kv_lease_extension`) (R-P08),
-  except after a failed handshake or WRITE: nothing will use the blocks any more, so the
-  lease runs out at its deadline instead of living on until D's watchdog.
-- While the WRITE is in flight the lease is suspended (freeing blocks under a DMA would
-  corrupt D) and a write timeout guards it instead; get_finished polls the transfer.
-  The main thread applies the writer's reports before its time moves on, so a WRITE the
-  writer posted while the lease stood always suspends the lease before the lease can
-  expire; the report lands in `posted` (suspended, no timeout yet) and the first poll,
-  at the main thread's own time, moves it to `writing` and starts the write timeout.
-- A finished WRITE, or an expired lease (reaped in deadline order, B-07), reports
-  `finished_sending` and queues the request on the evict inbox (R-P09); the scheduler's
-  `update_connector_output(finished_sending)` clears the lease.
+- `start_load_kv` creates the lease (`kv_lease_duration`, R-P11) and hands the blocks
+  to the writer (`StageBlocks`, R-P03).
+- The writer reports back: D's `PUSH_REG`s matched the blocks (`Matched`, which binds the
+  lease to D's engine, R-P04); the P->D handshake started and was replayed (R-P05); the
+  WRITEs were posted, or failed to post (R-P06).
+- D's heartbeats extend the lease to max(deadline, now + extension) (R-P08), but only
+  from agents of the D engine the lease is bound to (S-02): while P's handshake with D
+  has not identified D's agents yet, only the agents whose `PUSH_REG`s matched; before
+  a match, or after a failed handshake, nothing extends it.
+- When the lease runs out it is revoked, not freed: the writer may be posting a WRITE
+  from these blocks at that moment. `RevokeLease` asks the writer to post nothing more;
+  its answer (`Revoked`) frees the blocks, or a `WritePosted` it sent first suspends the
+  lease under the write timeout. Either way no block is freed under a DMA.
+- While WRITEs are in flight the lease is suspended; get_finished polls them. When they
+  all completed the blocks are freed (R-P09). A WRITE that fails to post, ends in error
+  or outlives `push_write_timeout` frees the blocks at once and D is told with
+  `PUSH_FAIL` where it speaks it (B-10); a failed handshake is logged
+  `push_handshake_failed` and left to the lease (R-P12, the seed).
 
-`Heartbeat` (D's `HB:` notif) and `Matched` (D's `PUSH_REG` met the blocks) come from D:
-one the state does not declare is a `RemoteProtocolError` that changes nothing. Tags:
-`drainable` (the next connector meta carries the blocks), `heartbeat_extends` (D's
-heartbeats extend the lease), `pollable` (a WRITE is posted: get_finished polls it),
-`confirmable` (reported to the engine, awaiting `update_connector_output`).
+Tags: `heartbeat_extends`, `pollable` (WRITEs posted: get_finished polls them).
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvhandoff.machines.push.effects import (
-    EnqueueFinishedBlocks,
+    CountFailure,
     PollTransfer,
-    QueueEviction,
     ReleaseTransfer,
     ReportFinishedSending,
+    ReportWriteError,
+    RevokeLease,
+    StageBlocks,
     Warn,
 )
 from kvhandoff.machines.push.events import (
-    FinishedSending,
     HandshakeDone,
     HandshakeFailed,
     HandshakeStarted,
@@ -49,6 +50,7 @@ from kvhandoff.machines.push.events import (
     LeaseExpired,
     Matched,
     Poll,
+    Revoked,
     Staged,
     WriteDone,
     WriteError,
@@ -65,14 +67,33 @@ class PLeaseCtx:
     key: str
     block_ids: tuple[int, ...]
     lease_extension: float = 20.0
+    engine: str = ""
+    """The D engine whose `PUSH_REG`s matched the blocks ("" until then)."""
+    agents: tuple[str, ...] = ()
+    """The D agents that sent those `PUSH_REG`s."""
 
 
-LEASE = Timeout("kv_lease_duration", "expired", LeaseExpired, action="reap")
-WRITE_TIMEOUT = Timeout("push_write_timeout", "write_failed", WriteTimeout, action="abandon_write")
+LEASE = Timeout("kv_lease_duration", "revoking", LeaseExpired, action="revoke")
+WRITE_TIMEOUT = Timeout("push_write_timeout", "released", WriteTimeout, action="abandon_write")
 
 
 def stage(ctx: PLeaseCtx, event: Staged) -> list[Effect]:
-    return [EnqueueFinishedBlocks(ctx.key, ctx.block_ids)]
+    return [StageBlocks(ctx.key, ctx.block_ids)]
+
+
+def bind(ctx: PLeaseCtx, event: Matched) -> None:
+    ctx.engine = event.engine
+    ctx.agents = event.agents
+
+
+def from_bound_peer(ctx: PLeaseCtx, event: Heartbeat) -> bool:
+    """S-02: an agent of the bound D engine; before P's handshake with D identified its
+    agents, one of the agents whose `PUSH_REG`s matched."""
+    if not ctx.engine:
+        return False
+    if event.engine is not None:
+        return event.engine == ctx.engine
+    return event.sender in ctx.agents
 
 
 def extend_lease(ctx: PLeaseCtx, event: Heartbeat) -> list[Effect]:
@@ -86,99 +107,118 @@ def poll(ctx: PLeaseCtx, event: Poll) -> list[Effect]:
 def log_handshake_failed(ctx: PLeaseCtx, event: HandshakeFailed) -> list[Effect]:
     return [
         Warn(ctx.key, "push_handshake_failed: dropped, no requeue"),
-        Metric("push.p.handshake_failed"),
+        CountFailure("handshake"),
     ]
 
 
-def count_failed(ctx: PLeaseCtx, event: WriteSubmitFailed | WriteError) -> list[Effect]:
-    return [Metric("push.p.failed_transfers")]
+def revoke(ctx: PLeaseCtx, event: LeaseExpired) -> list[Effect]:
+    return [RevokeLease(ctx.key)]
+
+
+def reap(ctx: PLeaseCtx, event: Revoked) -> list[Effect]:
+    return [ReportFinishedSending(ctx.key), Metric("push.p.lease_expired")]
+
+
+def free_unposted(ctx: PLeaseCtx, event: WriteSubmitFailed) -> list[Effect]:
+    # B-10: nothing is in flight; the writer already told D.
+    return [ReportFinishedSending(ctx.key), CountFailure(event.cause)]
+
+
+def free_failed(ctx: PLeaseCtx, event: WriteError) -> list[Effect]:
+    # B-10: every WRITE ended, one in error: free at once and tell D.
+    return [
+        ReportFinishedSending(ctx.key),
+        ReportWriteError(ctx.key, "WRITE ended in error", event.failed_ranks),
+        CountFailure("transfer_error"),
+    ]
 
 
 def abandon_write(ctx: PLeaseCtx, event: WriteTimeout) -> list[Effect]:
-    # The handle must not outlive the wait: released, the WRITE cannot land after the
-    # lease frees the blocks it reads.
-    return [ReleaseTransfer(ctx.key), Metric("push.p.failed_transfers")]
-
-
-def done_sending(ctx: PLeaseCtx, event: WriteDone) -> list[Effect]:
-    return [ReportFinishedSending(ctx.key), QueueEviction(ctx.key), Metric("push.p.sent")]
-
-
-def reap(ctx: PLeaseCtx, event: LeaseExpired) -> list[Effect]:
+    # The handles must not outlive the wait: released, no WRITE lands after the blocks
+    # are freed.
     return [
+        ReleaseTransfer(ctx.key),
         ReportFinishedSending(ctx.key),
-        QueueEviction(ctx.key),
-        Metric("push.p.lease_expired"),
+        ReportWriteError(ctx.key, "WRITE timed out"),
+        CountFailure("timeout"),
     ]
 
 
-_LEASED = ["finished", "staged", "matched", "awaiting_handshake"]
-# After a failed handshake or WRITE nothing is retried (R-P12): the blocks wait only for
-# the lease to reclaim them, so D's heartbeats no longer extend it.
-_GIVEN_UP = ["handshake_failed", "write_failed"]
+def done_sending(ctx: PLeaseCtx, event: WriteDone) -> list[Effect]:
+    return [ReportFinishedSending(ctx.key), Metric("push.p.sent")]
+
+
+_BOUND = ["matched", "awaiting_handshake"]
 
 P_LEASE: Declaration[PLeaseCtx] = Declaration(
     name="push.p_lease",
     description=__doc__ or "",
     states=[
-        {"name": "finished", "timeout": LEASE, "tags": ("drainable", "heartbeat_extends")},
-        {"name": "staged", "timeout": LEASE, "tags": ("heartbeat_extends",)},
+        {"name": "new", "timeout": LEASE},
+        {"name": "staged", "timeout": LEASE},
         {"name": "matched", "timeout": LEASE, "tags": ("heartbeat_extends",)},
         {"name": "awaiting_handshake", "timeout": LEASE, "tags": ("heartbeat_extends",)},
         {"name": "handshake_failed", "timeout": LEASE},
+        {"name": "revoking"},
         {"name": "posted", "tags": ("pollable",)},
         {"name": "writing", "timeout": WRITE_TIMEOUT, "tags": ("pollable",)},
-        {"name": "write_failed", "timeout": LEASE},
-        {"name": "reported", "tags": ("confirmable",)},
         {"name": "sent", "final": True},
+        {"name": "released", "final": True},
         {"name": "expired", "final": True},
     ],
-    initial="finished",
+    initial="new",
     transitions=[
-        {"trigger": Staged, "source": "finished", "dest": "staged", "after": "stage"},
-        {"trigger": Matched, "source": "staged", "dest": "matched"},
+        {"trigger": Staged, "source": "new", "dest": "staged", "after": "stage"},
+        {"trigger": Matched, "source": "staged", "dest": "matched", "after": "bind"},
         {"trigger": HandshakeStarted, "source": "matched", "dest": "awaiting_handshake"},
         {"trigger": HandshakeDone, "source": "awaiting_handshake", "dest": "matched"},
         {
             "trigger": HandshakeFailed,
-            "source": ["matched", "awaiting_handshake"],
+            "source": _BOUND,
             "dest": "handshake_failed",
             "after": "log_handshake_failed",
         },
-        {"trigger": WritePosted, "source": "matched", "dest": "posted"},
+        {"trigger": WritePosted, "source": ["matched", "revoking"], "dest": "posted"},
         {
             "trigger": WriteSubmitFailed,
-            "source": "matched",
-            "dest": "write_failed",
-            "after": "count_failed",
+            "source": ["matched", "revoking"],
+            "dest": "released",
+            "after": "free_unposted",
         },
+        {"trigger": Revoked, "source": "revoking", "dest": "expired", "after": "reap"},
         {"trigger": Poll, "source": "posted", "dest": "writing", "after": "poll"},
         {"trigger": Poll, "source": "writing", "dest": None, "after": "poll"},
-        {"trigger": WriteDone, "source": "writing", "dest": "reported", "after": "done_sending"},
+        {"trigger": WriteDone, "source": "writing", "dest": "sent", "after": "done_sending"},
+        {"trigger": WriteError, "source": "writing", "dest": "released", "after": "free_failed"},
         {
-            "trigger": WriteError,
-            "source": "writing",
-            "dest": "write_failed",
-            "after": "count_failed",
+            "trigger": Heartbeat,
+            "source": _BOUND,
+            "dest": None,
+            "conditions": "from_bound_peer",
+            "after": "extend_lease",
         },
-        {"trigger": Heartbeat, "source": _LEASED, "dest": None, "after": "extend_lease"},
-        {"trigger": FinishedSending, "source": "reported", "dest": "sent"},
     ],
     ignore=[
-        ("posted", Heartbeat),
-        ("writing", Heartbeat),
-        ("reported", Heartbeat),
-        *((state, Heartbeat) for state in _GIVEN_UP),
+        # Late or redundant news: the lease no longer waits for any of it.
+        ("handshake_failed", Heartbeat),
+        *((state, Heartbeat) for state in ("revoking", "posted", "writing")),
+        *((state, event) for state in ("revoking",) for event in (Matched, HandshakeStarted)),
+        *((state, event) for state in ("revoking",) for event in (HandshakeDone, HandshakeFailed)),
+        *((state, Revoked) for state in ("posted", "writing")),
     ],
     callbacks={
         "stage": stage,
+        "bind": bind,
+        "from_bound_peer": from_bound_peer,
         "extend_lease": extend_lease,
         "poll": poll,
         "log_handshake_failed": log_handshake_failed,
-        "count_failed": count_failed,
+        "revoke": revoke,
+        "reap": reap,
+        "free_unposted": free_unposted,
+        "free_failed": free_failed,
         "abandon_write": abandon_write,
         "done_sending": done_sending,
-        "reap": reap,
     },
     config_defaults={"kv_lease_duration": 30.0, "push_write_timeout": 30.0},
     context=PLeaseCtx,

@@ -1,34 +1,60 @@
-"""Push-mode engine API, scheduler side: shaped like the seed's connector scheduler.
+"""Push-mode engine API, scheduler side: one per engine, shaped like the seed's connector
+scheduler (R-P02, R-P03, R-P10, R-P13, R-T01, R-T02, R-T05, B-14).
 
-The scheduler and the worker's main thread share one bus per instance; every lifecycle
-change goes through the declared machines (`push.d_registration`, `push.p_lease`, and in
-pull mode `pull.d_read`, `pull.p_lease`). Time is an argument: every call that changes
+The scheduler owns its bus and shares no object with the worker ranks: it hands each
+step's work down in a `PushConnectorMeta` and aggregates the ranks' `PushWorkerOutput`s
+into the engine's `PushConnectorOutput`. Time is an argument: every call that changes
 state takes `now`.
 
-    sched = PushScheduler(bus, role="decode", engine=local_engine)
+    sched = PushScheduler("decode", local_engine, config)
     sched.update_state_after_alloc("cmpl-1-0-aaaa1111", [4, 5], decode_leg_params, now)
-    meta = sched.build_connector_meta(now)        # -> meta.push_registrations
-    ...
-    sched.update_connector_output(worker_output, now)  # finished_recving clears the watchdog
+    meta = sched.build_connector_meta(now)          # to every rank
+    out = sched.update_connector_output([rank0_output, rank1_output], now)
 
-`PushConnectorMeta` (scheduler -> workers) and `PushConnectorOutput` (worker ->
-scheduler) are msgspec Structs of plain data: they can cross a process boundary.
+- A request with no transfer params, or with no blocks to move (a full prefix hit on D,
+  an empty prefill on P), creates no state and raises nothing; D registers only the
+  blocks it lacks (a partial prefix hit, R-T05). A P request that did not finish
+  normally (aborted, errored) is freed at once (vLLM 0.33).
+- A rank output is checked whole before any of it is applied (R-T02): its rank must be
+  one of the engine's and its step newer than the last one it reported, else it is stale
+  and ignored, counted. Entries about requests that no longer wait for the rank are
+  counted stale too.
+- Failures by cause (B-14) add up across the ranks: `stats()`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import msgspec
-
-from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
-from kvhandoff.machines.pull.p_lease import PULL_P_LEASE, PullLeaseCtx
-from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx
-from kvhandoff.machines.push.events import Abort, Drained, FinishedRecving, FinishedSending
-from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
+from kvhandoff.machines.push.d_request import D_REQUEST, DRequestCtx
+from kvhandoff.machines.push.effects import (
+    ReportFailedRecving,
+    ReportFinishedRecving,
+    ReportFinishedSending,
+    Warn,
+)
+from kvhandoff.machines.push.events import (
+    Abort,
+    Drained,
+    RankEnded,
+    RankPosted,
+    RankReceived,
+    RankRecvFailed,
+    RankSent,
+)
+from kvhandoff.machines.push.meta import (
+    FAILURE_CAUSES,
+    PullRead,
+    PushConnectorMeta,
+    PushConnectorOutput,
+    PushWorkerOutput,
+)
+from kvhandoff.machines.push.p_request import P_REQUEST, PRequestCtx
 from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.errors import LocalProtocolError
@@ -41,79 +67,66 @@ from kvhandoff.protocol.legs import (
 )
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
+from kvhandoff.protocol.tp_mapping import check_tp_sizes
+
+log = logging.getLogger("kvhandoff.push.scheduler")
 
 Role = Literal["prefill", "decode"]
 Mode = Literal["push", "pull"]
 
-DKind = Declaration[Any]
-"""D's lifecycle of the mode: `D_REGISTRATION` (push) or `D_READ` (pull)."""
-PKind = Declaration[Any]
-"""P's lifecycle of the mode: `P_LEASE` (push) or `PULL_P_LEASE` (pull)."""
-
-KINDS: dict[Mode, tuple[DKind, PKind]] = {
-    "push": (D_REGISTRATION, P_LEASE),
-    "pull": (D_READ, PULL_P_LEASE),
-}
-"""(D lifecycle, P lifecycle) per transfer mode."""
-
-MAIN_THREAD_KINDS: tuple[Declaration[Any], ...] = (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE)
-"""Every lifecycle on a side's main-thread bus (`register_push_machines`)."""
+SCHEDULER_KINDS: tuple[Declaration[Any], ...] = (D_REQUEST, P_REQUEST)
 
 
 @dataclass(frozen=True, slots=True)
 class LocalEngine:
-    """This instance's coordinates, as peers reach its side channel."""
+    """This engine's coordinates, as peers reach its side channel."""
 
     engine_id: str
     host: str
     port: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-
-class PushConnectorMeta(msgspec.Struct, kw_only=True):
-    """What one scheduler step hands to the workers."""
-
-    push_registrations: dict[str, PushRegistration] = msgspec.field(default_factory=dict)
-    push_finished_blocks: dict[str, tuple[int, ...]] = msgspec.field(default_factory=dict)
-    pull_reads: dict[str, PullSource] = msgspec.field(default_factory=dict)
-
-
-class PushConnectorOutput(msgspec.Struct, kw_only=True):
-    """What one worker step reports back (get_finished)."""
-
-    finished_sending: set[str] = msgspec.field(default_factory=set)
-    finished_recving: set[str] = msgspec.field(default_factory=set)
-    failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
-    invalid_block_ids: set[int] = msgspec.field(default_factory=set)
-
-
-def register_push_machines(bus: EventBus, config: PushConfig) -> None:
-    """Register the main-thread lifecycles of both modes on `bus` under `config`."""
-    machine_config = config.machine_config()
-    bus.register(D_REGISTRATION, machine_config)
-    bus.register(P_LEASE, machine_config)
-    bus.register(D_READ, machine_config)
-    bus.register(PULL_P_LEASE, machine_config)
 
 
 class PushScheduler:
+    """The scheduler half of one engine (see the module docstring)."""
+
     def __init__(
         self,
-        bus: EventBus,
         role: Role,
         engine: LocalEngine,
         config: PushConfig | None = None,
         mode: Mode = "push",
+        *,
+        bus: EventBus | None = None,
+        now: float = 0.0,
     ) -> None:
-        self.bus = bus
         self.role = role
         self.engine = engine
         self.config = config or PushConfig()
         self.mode = mode
-        self.d_kind, self.p_kind = KINDS[mode]
-        self._push_pending_registrations: list[str] = []
-        self._newly_finished_push_blocks: list[str] = []
+        if role == "decode" and self.config.pp_size > 1:
+            raise LocalProtocolError(
+                f"decode-side pipeline parallelism (pp_size={self.config.pp_size}) is not"
+                " supported in push mode: completions are counted per consumer rank"
+            )
+        if mode == "pull" and self.config.world_size > 1:
+            raise LocalProtocolError("pull mode runs one worker rank per engine")
+        self.world = self.config.world_size
+        self.bus = bus or EventBus()
+        machine_config = self.config.machine_config()
+        for kind in SCHEDULER_KINDS:
+            self.bus.register(kind, machine_config)
+        self.step = 0
+        self.next_heartbeat = now + self.config.heartbeat_every
+        self.stale_reports = 0
+        self.failures: dict[str, int] = dict.fromkeys(FAILURE_CAUSES, 0)
+        self._last_step: dict[int, int] = {}
+        self._to_drain: list[str] = []
+        self._output = PushConnectorOutput()
+        bus_ = self.bus
+        bus_.handle(ReportFinishedRecving, self._on_finished_recving)
+        bus_.handle(ReportFailedRecving, self._on_failed_recving)
+        bus_.handle(ReportFinishedSending, self._on_finished_sending)
+        bus_.handle(Warn, lambda _inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
 
     # -- D side ----------------------------------------------------------------------
 
@@ -121,34 +134,68 @@ class PushScheduler:
         self,
         request_id: str,
         block_ids: Sequence[int],
-        kv_transfer_params: Mapping[str, Any],
+        kv_transfer_params: Mapping[str, Any] | None,
         now: float,
     ) -> None:
-        """D: stash the registration of freshly allocated blocks; arm the watchdog (R-P02)."""
+        """D: stash the registration of the blocks D lacks; arm the watchdog (R-P02).
+
+        `block_ids` are the blocks to receive: on a partial prefix hit only the uncached
+        ones (R-T05). No params, no `do_remote_prefill`, or no blocks: nothing to do."""
         self._require("decode", "update_state_after_alloc")
+        if not kv_transfer_params or not kv_transfer_params.get("do_remote_prefill"):
+            return
+        if not block_ids:
+            return  # a full prefix hit on D: nothing to receive, nothing to register
+        blocks = tuple(block_ids)
         if self.mode == "pull":
             source = pull_source(dict(kv_transfer_params))
-            self.bus.create(D_READ, DReadCtx(request_id, source, tuple(block_ids)), now)
-            self._push_pending_registrations.append(request_id)
-            return
-        prefill = prefill_coordinates(dict(kv_transfer_params))
-        registration = PushRegistration(
+            ctx = DRequestCtx(
+                request_id,
+                blocks,
+                ranks=self.world,
+                heartbeat_engine=source.prefill.engine_id,
+                heartbeat_id=source.request_id,
+                source=source,
+            )
+        else:
+            prefill = prefill_coordinates(dict(kv_transfer_params))
+            check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
+            ctx = DRequestCtx(
+                request_id,
+                blocks,
+                ranks=self.world,
+                heartbeat_engine=prefill.engine_id,
+                heartbeat_id=request_id,
+                registration=self._registration(request_id, blocks, prefill),
+            )
+        self.bus.create(D_REQUEST, ctx, now)
+        self._to_drain.append(request_id)
+
+    def _registration(
+        self, request_id: str, blocks: tuple[int, ...], prefill: PrefillCoordinates
+    ) -> PushRegistration:
+        """The registration every rank sends, each with its own `decode_tp_rank`."""
+        return PushRegistration(
             request_id=request_id,
             decode_engine_id=self.engine.engine_id,
             decode_host=self.engine.host,
             decode_port=self.engine.port,
-            decode_tp_size=self.engine.tp_size,
-            decode_tp_rank=self.engine.tp_rank,
-            block_ids=tuple(block_ids),
+            decode_tp_size=self.config.tp_size,
+            decode_tp_rank=0,
+            block_ids=blocks,
             remote_engine_id=prefill.engine_id,
             remote_host=prefill.host,
             remote_port=prefill.port,
             remote_tp_size=prefill.tp_size,
+            remote_pp_size=prefill.pp_size,
         )
-        writers_per_rank = max(1, prefill.tp_size // self.engine.tp_size)
-        ctx = DRegistrationCtx(request_id, registration, completions_needed=writers_per_rank)
-        self.bus.create(D_REGISTRATION, ctx, now)
-        self._push_pending_registrations.append(request_id)
+
+    def abort(self, request_id: str, now: float) -> None:
+        """D: the engine's request-level abort path ends a request that has not been
+        reported yet (a reported receive reaches the engine as usual)."""
+        self.bus.advance(now)
+        if self.bus.has_tag(D_REQUEST, request_id, "abortable"):
+            self.bus.dispatch(D_REQUEST, request_id, Abort(), now)
 
     # -- P side ----------------------------------------------------------------------
 
@@ -156,78 +203,154 @@ class PushScheduler:
         self,
         request_id: str,
         block_ids: Sequence[int],
-        kv_transfer_params: Mapping[str, Any],
+        kv_transfer_params: Mapping[str, Any] | None,
         now: float,
+        *,
+        finished_normally: bool = True,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """P: hold the blocks under a lease for the push; True delays freeing them (R-P03)."""
+        """P: hold the blocks for the push; True delays freeing them (R-P03).
+
+        Only a request that finished normally (stopped or length-capped) and holds
+        blocks is leased; an aborted or errored one is freed at once (vLLM 0.33)."""
         self._require("prefill", "request_finished")
-        if not kv_transfer_params.get("do_remote_decode"):
+        if not kv_transfer_params or not kv_transfer_params.get("do_remote_decode"):
             return False, None
-        extension = self.config.kv_lease_extension
+        if not finished_normally or not block_ids:
+            return False, None
+        blocks = tuple(block_ids)
+        self.bus.create(P_REQUEST, PRequestCtx(request_id, blocks, ranks=self.world), now)
+        self._to_drain.append(request_id)
         if self.mode == "pull":
-            ctx = PullLeaseCtx(request_id, tuple(block_ids), lease_extension=extension)
-            self.bus.create(PULL_P_LEASE, ctx, now)
             here = PrefillCoordinates(
-                self.engine.engine_id, self.engine.host, self.engine.port, self.engine.tp_size
+                self.engine.engine_id, self.engine.host, self.engine.port, self.config.tp_size
             )
-            return True, pull_params(here, request_id, list(block_ids))
-        lease = PLeaseCtx(request_id, tuple(block_ids), lease_extension=extension)
-        self.bus.create(P_LEASE, lease, now)
-        self._newly_finished_push_blocks.append(request_id)
+            return True, pull_params(here, request_id, list(blocks))
         return True, None
 
-    # -- both ------------------------------------------------------------------------
+    # -- every step --------------------------------------------------------------------
 
     def build_connector_meta(self, now: float) -> PushConnectorMeta:
-        """Drain what this step hands to the workers; expired watchdogs fire first (R-P10)."""
-        # Only D's time moves here. P's leases are reaped in get_finished (R-P11), after
-        # the writer's reports are taken: a lease whose WRITE the writer just posted must
-        # see the post before its expiry, or its blocks are freed under the DMA.
-        if self.role == "decode":
-            self.bus.advance(now)
-        meta = PushConnectorMeta()
-        for request_id in self._push_pending_registrations:
-            if self.mode == "pull":
-                read = self.bus.get(D_READ, request_id)
-                if read is not None and read.has("drainable"):
-                    self.bus.dispatch(D_READ, request_id, Drained(), now)
-                    meta.pull_reads[request_id] = read.ctx.source
+        """Drain what this step hands to the ranks; expired watchdogs fire first (R-P10)."""
+        bus = self.bus
+        bus.advance(now)
+        self.step += 1
+        meta = PushConnectorMeta(step=self.step)
+        d_kind, p_kind = (D_REQUEST, P_REQUEST)
+        for request_id in self._to_drain:
+            d = bus.get(d_kind, request_id)
+            if d is not None and d.has("drainable"):
+                bus.dispatch(d_kind, request_id, Drained(), now)
+                if d.ctx.registration is not None:
+                    meta.push_registrations[request_id] = d.ctx.registration
+                elif d.ctx.source is not None:
+                    meta.pull_reads[request_id] = PullRead(d.ctx.source, d.ctx.block_ids)
                 continue
-            reg = self.bus.get(D_REGISTRATION, request_id)
-            if reg is not None and reg.has("drainable"):
-                self.bus.dispatch(D_REGISTRATION, request_id, Drained(), now)
-                meta.push_registrations[request_id] = reg.ctx.registration
-        for request_id in self._newly_finished_push_blocks:
-            lease = self.bus.get(P_LEASE, request_id)
-            if lease is not None and lease.has("drainable"):
-                meta.push_finished_blocks[request_id] = lease.ctx.block_ids
-        self._push_pending_registrations.clear()
-        self._newly_finished_push_blocks.clear()
+            p = bus.get(p_kind, request_id)
+            if p is not None and p.has("drainable"):
+                bus.dispatch(p_kind, request_id, Drained(), now)
+                meta.push_finished_blocks[request_id] = p.ctx.block_ids
+        self._to_drain.clear()
+        if self.role == "decode":
+            meta.ended = tuple(str(inst.key) for inst in bus.tagged(d_kind, "ending"))
+            if now >= self.next_heartbeat:
+                self.next_heartbeat = now + self.config.heartbeat_every
+                meta.heartbeats = self._heartbeats()
         return meta
 
-    def update_connector_output(self, output: PushConnectorOutput, now: float) -> None:
-        """finished_sending clears P leases; finished_recving clears D watchdogs (R-P09)."""
-        self._confirm(self.p_kind, output.finished_sending, FinishedSending(), now)
-        self._confirm(self.d_kind, output.finished_recving, FinishedRecving(), now)
+    def _heartbeats(self) -> dict[str, tuple[str, ...]]:
+        """One batch per P engine: every request that keeps a lease there alive (R-P15)."""
+        by_engine: dict[str, list[str]] = {}
+        for inst in self.bus.tagged(D_REQUEST, "needs_heartbeat"):
+            ctx = inst.ctx
+            by_engine.setdefault(ctx.heartbeat_engine, []).append(ctx.heartbeat_id)
+        return {engine: tuple(ids) for engine, ids in sorted(by_engine.items())}
+
+    def update_connector_output(
+        self, outputs: Iterable[PushWorkerOutput], now: float
+    ) -> PushConnectorOutput:
+        """Aggregate the ranks' outputs; a request is reported once every rank did (R-T02)."""
+        self.bus.advance(now)
+        for output in outputs:
+            if not self._fresh(output):
+                self.stale_reports += 1
+                continue
+            self._apply(output, now)
+        result, self._output = self._output, PushConnectorOutput()
+        return result
+
+    def _fresh(self, output: PushWorkerOutput) -> bool:
+        """The whole-report check: a rank of this engine, a step it has not reported yet
+        and has been given."""
+        if not 0 <= output.rank < self.world:
+            log.warning("output from rank %d of an engine of %d ranks", output.rank, self.world)
+            return False
+        last = self._last_step.get(output.rank, -1)
+        if not last < output.step <= self.step:
+            return False
+        self._last_step[output.rank] = output.step
+        return True
+
+    def _apply(self, output: PushWorkerOutput, now: float) -> None:
+        rank = output.rank
+        self._deliver(D_REQUEST, output.finished_recving, "awaiting_ranks", RankReceived(rank), now)
+        for request_id, reason in output.failed_recving.items():
+            self._deliver(
+                D_REQUEST, (request_id,), "awaiting_ranks", RankRecvFailed(rank, reason), now
+            )
+        self._deliver(D_REQUEST, output.posted, "awaiting_ranks", RankPosted(rank), now)
+        self._deliver(D_REQUEST, output.ended, "ending", RankEnded(rank), now)
+        self._deliver(P_REQUEST, output.finished_sending, "awaiting_ranks", RankSent(rank), now)
+        for cause, count in output.failures.items():
+            if cause in self.failures and count > 0:
+                self.failures[cause] += count
+
+    def _deliver(
+        self,
+        kind: Declaration[Any],
+        request_ids: Iterable[str],
+        tag: str,
+        event: Event,
+        now: float,
+    ) -> None:
+        for request_id in request_ids:
+            if self.bus.has_tag(kind, request_id, tag):
+                self.bus.dispatch(kind, request_id, event, now)
+            else:
+                self.stale_reports += 1  # ended meanwhile, or never this rank's to report
 
     def has_pending_push_work(self) -> bool:
         """True while any push state is in flight on this side (R-P13)."""
-        return self.bus.live(self.d_kind) > 0 or self.bus.live(self.p_kind) > 0
+        return self.bus.live(D_REQUEST) > 0 or self.bus.live(P_REQUEST) > 0
 
-    def abort(self, request_id: str, now: float) -> None:
-        """D: the engine's request-level abort path ends a registration or read that has
-        not been reported yet (a reported receive reaches the engine as usual)."""
-        self.bus.advance(now)
-        if self.bus.has_tag(self.d_kind, request_id, "abortable"):
-            self.bus.dispatch(self.d_kind, request_id, Abort(), now)
+    def stats(self) -> dict[str, int]:
+        """Failures by cause across the ranks (B-14), and stale rank reports."""
+        return {**self.failures, "stale_reports": self.stale_reports}
 
-    def _confirm(
-        self, kind: Declaration[Any], request_ids: Iterable[str], event: Event, now: float
-    ) -> None:
-        for request_id in request_ids:
-            if self.bus.has_tag(kind, request_id, "confirmable"):
-                self.bus.dispatch(kind, request_id, event, now)
+    # -- reports to the engine -----------------------------------------------------------
+
+    def _on_finished_recving(self, _inst: Instance[object], effect: ReportFinishedRecving) -> None:
+        self._output.finished_recving.add(effect.request_id)
+
+    def _on_failed_recving(self, _inst: Instance[object], effect: ReportFailedRecving) -> None:
+        self._output.failed_recving[effect.request_id] = effect.reason
+        self._output.invalid_block_ids.update(effect.block_ids)
+
+    def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
+        self._output.finished_sending.add(effect.request_id)
 
     def _require(self, role: Role, call: str) -> None:
         if self.role != role:
             raise LocalProtocolError(f"{call} is a {role}-side call; this scheduler is {self.role}")
+
+
+__all__ = [
+    "SCHEDULER_KINDS",
+    "LocalEngine",
+    "Mode",
+    "PullSource",
+    "PushConnectorMeta",
+    "PushConnectorOutput",
+    "PushScheduler",
+    "PushWorkerOutput",
+    "Role",
+]

@@ -1,105 +1,121 @@
-"""Push-mode engine API, worker main-thread side: shaped like the seed's connector worker.
+"""Push-mode engine API, worker side, main thread: one per TP/PP rank, shaped like the
+seed's connector worker (R-P02, R-P03, R-P07..R-P09, R-T01, S-02, S-06).
 
-The worker's main thread never touches NIXL notifs or WRITEs: it hands work to the writer
-thread through effects (`EnqueueRegistration`, `EnqueueFinishedBlocks`, `QueueEviction`,
-`WakeWriter`) and learns what happened from the items the writer put on the
-pending-completion-notifs queue (`take_writer_items`, also done by `get_finished`).
-Heartbeats leave from here. Time is an argument: every call that changes state takes `now`.
+The rank's main thread owns the rank's request lifecycles (`push.d_registration`,
+`push.p_lease`, in pull mode `pull.d_read`, `pull.p_lease`) on its own bus. It never
+touches NIXL notifs or WRITEs: it hands typed commands to the writer thread (one FIFO,
+`WriterCommand`) and learns what happened from the items the writer puts on the
+pending-completion-notifs queue: the writer's reports (`ReportToMain`) and the peers'
+notifs (`ForwardToMain`). Heartbeats leave from here. Time is an argument.
 
-    worker = PushWorker(bus, role="prefill", engine=local_engine, now=now)
-    worker.register_kv_caches(regions)            # member-major layout, once (R-P14)
-    worker.start_load_kv(meta, now)                # hand over; wake the writer if needed
-    output = worker.get_finished(drained_items, now)   # always wakes the writer
+    worker = PushWorker("prefill", "P-0", config, rank=1, now=now)
+    worker.start_load_kv(meta, now)        # from the scheduler; wakes the writer if needed
+    worker.take_writer_items(items, now)   # what the writer left on the queue
+    output = worker.get_finished(now)      # to the scheduler; always wakes the writer
 
-The writer's reports (`ReportToMain`) are applied before time moves on, at the time the
-bus last stood at: a WRITE the writer posted while its lease stood suspends the lease
-before the lease can expire (the adapter's lease lock orders the post against the
-main thread, R-P11). Notifs from peers (`ForwardToMain`) are applied at `now`, after
-every timeout due by then. A notif the machines refuse is a `RemoteProtocolError`: it
-changes nothing and is counted and logged per peer (`rejections`), never raised out of
-the engine's call.
+The writer's reports are applied before time moves on, at the time the bus last stood
+at; notifs from peers are applied at `now`, after every timeout due by then. A notif the
+machines refuse (an unknown request, a sender that is not the bound peer, a state that
+does not expect it) is a `RemoteProtocolError`: it changes nothing and is counted and
+logged per peer, rate-limited (`rejections`, S-06), never raised out of the engine's call.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from kvhandoff.machines.pull.d_read import D_READ
-from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
+import msgspec
+
+from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
+from kvhandoff.machines.pull.p_lease import PULL_P_LEASE, PullLeaseCtx
+from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx
 from kvhandoff.machines.push.effects import (
+    CountFailure,
     ForwardToMain,
+    ReportEnded,
     ReportFailedRecving,
     ReportFinishedRecving,
     ReportFinishedSending,
+    ReportPosted,
     ReportToMain,
-    SendHeartbeat,
     WakeWriter,
     Warn,
 )
 from kvhandoff.machines.push.events import (
     Completion,
+    End,
     Enqueued,
     Heartbeat,
     Poll,
     Staged,
     WriteFailed,
 )
-from kvhandoff.machines.push.p_lease import P_LEASE
-from kvhandoff.machines.push.scheduler import (
-    KINDS,
-    DKind,
-    LocalEngine,
-    Mode,
-    PKind,
-    PushConnectorMeta,
-    PushConnectorOutput,
-    Role,
-)
+from kvhandoff.machines.push.meta import FAILURE_CAUSES, PushConnectorMeta, PushWorkerOutput
+from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
+from kvhandoff.machines.push.scheduler import Mode, Role
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.member_routing import LocalRegion, MemberLayout, derive_member_major_layout
 from kvhandoff.protocol.notifs import CompletionNotif, HeartbeatNotif, WriteFailedNotif
 from kvhandoff.protocol.push_config import PushConfig
+from kvhandoff.protocol.push_wire import PushRegistration
 from kvhandoff.protocol.request_ids import get_base_request_id
+from kvhandoff.protocol.tp_mapping import split_rank, writers_of
 
 log = logging.getLogger("kvhandoff.push.worker")
 
 WriterItem = ForwardToMain | ReportToMain
 
+RANK_KINDS: tuple[Declaration[Any], ...] = (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE)
+"""Every lifecycle on a rank's main-thread bus."""
+
 
 class PushWorker:
+    """One rank's main-thread half (see the module docstring)."""
+
     def __init__(
         self,
-        bus: EventBus,
         role: Role,
-        engine: LocalEngine,
+        engine_id: str,
         config: PushConfig | None = None,
         mode: Mode = "push",
         *,
+        rank: int = 0,
         now: float,
+        bus: EventBus | None = None,
     ) -> None:
-        self.bus = bus
         self.role = role
-        self.engine = engine
+        self.engine_id = engine_id
         self.config = config or PushConfig()
         self.mode = mode
-        self.d_kind: DKind
-        self.p_kind: PKind
-        self.d_kind, self.p_kind = KINDS[mode]
+        self.rank = rank
+        self.pp_rank, self.tp_rank = split_rank(rank, self.config.tp_size)
+        self.d_kind: Declaration[Any] = D_REGISTRATION if mode == "push" else D_READ
+        self.p_kind: Declaration[Any] = P_LEASE if mode == "push" else PULL_P_LEASE
         # The side whose transfers get_finished polls: P's WRITEs (push), D's READs (pull).
-        self.polled_kind: DKind | PKind = P_LEASE if mode == "push" else D_READ
+        self.polled_kind: Declaration[Any] = self.p_kind if mode == "push" else self.d_kind
+        self.bus = bus or EventBus()
+        machine_config = self.config.machine_config()
+        for kind in RANK_KINDS:
+            self.bus.register(kind, machine_config)
         self.layout: MemberLayout | None = None
         self.rejections = RejectionLog(log, what="notif")
-        self._output = PushConnectorOutput()
-        self.next_heartbeat = now + self.config.heartbeat_interval
-        bus.handle(ReportFinishedRecving, self._on_finished_recving)
-        bus.handle(ReportFailedRecving, self._on_failed_recving)
-        bus.handle(ReportFinishedSending, self._on_finished_sending)
-        bus.handle(Warn, lambda inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
+        self.step = 0
+        self._output = self._fresh_output()
+        bus_ = self.bus
+        bus_.handle(ReportFinishedRecving, self._on_finished_recving)
+        bus_.handle(ReportFailedRecving, self._on_failed_recving)
+        bus_.handle(ReportFinishedSending, self._on_finished_sending)
+        bus_.handle(ReportEnded, self._on_ended)
+        bus_.handle(ReportPosted, self._on_posted)
+        bus_.handle(CountFailure, self._on_failure)
+        bus_.handle(Warn, lambda _inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
+        del now  # the rank keeps no clock of its own; the scheduler paces heartbeats
 
     @property
     def rejected_notifs(self) -> int:
@@ -107,45 +123,80 @@ class PushWorker:
         return self.rejections.total
 
     def register_kv_caches(
-        self, regions: Sequence[LocalRegion], *, pp_size: int = 1, has_ssm_layers: bool = False
+        self, regions: Sequence[LocalRegion], *, has_ssm_layers: bool = False
     ) -> MemberLayout:
         """Derive the member-major layout once; every transfer uses its order (R-P14)."""
         self.layout = derive_member_major_layout(
             regions,
-            pp_size=pp_size,
+            pp_size=self.config.pp_size,
             is_decoder=self.role == "decode",
             has_ssm_layers=has_ssm_layers,
         )
         return self.layout
 
-    def start_load_kv(self, meta: PushConnectorMeta, now: float) -> None:
-        """Hand this step's registrations / finished blocks to the writer (R-P02, R-P03)."""
+    # -- the scheduler's metadata -----------------------------------------------------------
+
+    def start_load_kv(self, meta: PushConnectorMeta, now: float) -> bool:
+        """Take this step's work (R-P02, R-P03); True when the writer has new work and
+        must be woken (R-P07). Heartbeats are the adapter's to send (`meta.heartbeats`)."""
         bus = self.bus
         bus.advance(now)  # a request that ended since the meta was built is not handed over
-        for request_id in meta.push_registrations:
-            if bus.get(D_REGISTRATION, request_id) is not None:
+        self.step = max(self.step, meta.step)
+        for request_id, registration in meta.push_registrations.items():
+            if bus.get(D_REGISTRATION, request_id) is None:
+                reg = _for_rank(registration, self.tp_rank)
+                writers = frozenset(
+                    writers_of(
+                        self.tp_rank,
+                        registration.decode_tp_size,
+                        registration.remote_tp_size,
+                        registration.remote_pp_size,
+                    )
+                )
+                bus.create(D_REGISTRATION, DRegistrationCtx(request_id, reg, writers), now)
                 bus.dispatch(D_REGISTRATION, request_id, Enqueued(), now)
-        for request_id in meta.push_finished_blocks:
-            if bus.get(P_LEASE, request_id) is not None:
-                bus.dispatch(P_LEASE, request_id, Staged(), now)
-        for request_id in meta.pull_reads:
-            if bus.get(D_READ, request_id) is not None:
+        for request_id, read in meta.pull_reads.items():
+            if bus.get(D_READ, request_id) is None:
+                bus.create(D_READ, DReadCtx(request_id, read.source, read.block_ids), now)
                 bus.dispatch(D_READ, request_id, Enqueued(), now)
-        if meta.push_registrations or meta.push_finished_blocks or meta.pull_reads:
+        extension = self.config.lease_extension
+        for request_id, blocks in meta.push_finished_blocks.items():
+            if self.mode == "pull":
+                if bus.get(PULL_P_LEASE, request_id) is None:
+                    ctx = PullLeaseCtx(request_id, blocks, lease_extension=extension)
+                    bus.create(PULL_P_LEASE, ctx, now)
+            elif bus.get(P_LEASE, request_id) is None:
+                bus.create(P_LEASE, PLeaseCtx(request_id, blocks, lease_extension=extension), now)
+                bus.dispatch(P_LEASE, request_id, Staged(), now)
+        for request_id in meta.ended:
+            if bus.get(self.d_kind, request_id) is not None:
+                bus.dispatch(self.d_kind, request_id, End(), now)
+            else:  # nothing held here any more: its memory is the engine's again
+                self._output_ended.append(request_id)
+        woken = bool(
+            meta.push_registrations or meta.push_finished_blocks or meta.pull_reads or meta.ended
+        )
+        if woken:
             bus.execute(WakeWriter())
-        self._send_heartbeats(now)
+        return woken
 
-    def get_finished(self, writer_items: Iterable[WriterItem], now: float) -> PushConnectorOutput:
-        """Take the writer's items, reap leases, poll transfers; always wakes the writer."""
-        self.take_writer_items(writer_items, now)
+    def get_finished(self, now: float) -> PushWorkerOutput:
+        """Poll posted transfers and report this rank's step; always wakes the writer."""
         bus = self.bus
         bus.advance(now)
         kind = self.polled_kind
         for inst in bus.tagged(kind, "pollable"):
             bus.dispatch(kind, inst.key, Poll(), now)
         bus.execute(WakeWriter())
-        output, self._output = self._output, PushConnectorOutput()
+        output = self._output
+        output.step = self.step
+        output.ended = tuple(self._output_ended)
+        self._output = self._fresh_output()
         return output
+
+    def _fresh_output(self) -> PushWorkerOutput:
+        self._output_ended: list[str] = []
+        return PushWorkerOutput(rank=self.rank, step=self.step)
 
     # -- the pending-completion-notifs queue (R-P08) -------------------------------------
 
@@ -165,40 +216,49 @@ class PushWorker:
             try:
                 self._on_notif(notif, now)
             except RemoteProtocolError as exc:
-                self.rejections.reject(notif.peer, exc, now)
+                self.reject(notif.peer, exc, now)
+
+    def reject(self, peer: str | None, exc: RemoteProtocolError | str, now: float) -> None:
+        self.rejections.reject(peer, exc, now)
+        self._on_failure(None, CountFailure("rejected"))
 
     def _on_report(self, item: ReportToMain, now: float) -> None:
         kind = self.p_kind if self.role == "prefill" else self.d_kind
         if self.bus.get(kind, item.request_id) is None:
-            return  # ended meanwhile (reaped, expired, aborted): nothing left to tell
+            return  # ended meanwhile (reaped, released, dropped): nothing left to tell
         try:
             self.bus.dispatch(kind, item.request_id, item.event, self.bus.now)
         except RemoteProtocolError as exc:  # a peer event (`Matched`) the state refuses
-            self.rejections.reject(item.peer, exc, now)
+            self.reject(item.peer, exc, now)
 
     def _on_notif(self, item: ForwardToMain, now: float) -> None:
         notif, peer = item.notif, item.peer
         if isinstance(notif, HeartbeatNotif) and self.role == "prefill":
-            unknown = self._heartbeat(notif.request_ids, now)
+            unknown = self._heartbeat(notif.request_ids, item.engine, peer, now)
             if unknown:
                 raise RemoteProtocolError(f"heartbeat for unknown requests {unknown}", peer=peer)
         elif isinstance(notif, CompletionNotif) and self.role == "prefill" and self.mode == "pull":
-            self.bus.dispatch(PULL_P_LEASE, notif.request_id, Completion(), now)
-        elif isinstance(notif, CompletionNotif) and self.role == "decode":
-            self.bus.dispatch(D_REGISTRATION, notif.request_id, Completion(), now)
-        elif isinstance(notif, WriteFailedNotif) and self.role == "decode":
-            event = WriteFailed(f"P: {notif.reason}")
+            event = Completion(peer, item.engine, item.rank, notif.tp_size)
+            self.bus.dispatch(PULL_P_LEASE, notif.request_id, event, now)
+        elif isinstance(notif, CompletionNotif) and self.role == "decode" and self.mode == "push":
+            event = Completion(peer, item.engine, item.rank, notif.tp_size)
             self.bus.dispatch(D_REGISTRATION, notif.request_id, event, now)
+        elif isinstance(notif, WriteFailedNotif) and self.role == "decode" and self.mode == "push":
+            failed = WriteFailed(peer, item.engine, item.rank, notif.reason)
+            self.bus.dispatch(D_REGISTRATION, notif.request_id, failed, now)
         else:
             raise RemoteProtocolError(
-                f"{type(notif).__name__} sent to a {self.role} instance", peer=peer
+                f"{type(notif).__name__} sent to a {self.role} {self.mode} instance", peer=peer
             )
 
-    def _heartbeat(self, request_ids: Sequence[str], now: float) -> list[str]:
-        """Extend the leases named by D's ids (exact, then base id); return the unknown ids."""
+    def _heartbeat(
+        self, request_ids: Sequence[str], engine: str | None, sender: str, now: float
+    ) -> list[str]:
+        """Extend the leases named by D's ids (exact, then base id); return the unknown
+        ids. Each lease takes it only from the D engine it is bound to (S-02)."""
         kind = self.p_kind
         bus = self.bus
-        by_base = {get_base_request_id(i.ctx.key): i.ctx.key for i in bus.instances(kind)}
+        by_base = {get_base_request_id(str(i.key)): str(i.key) for i in bus.instances(kind)}
         unknown = []
         for request_id in request_ids:
             key = request_id if bus.get(kind, request_id) is not None else None
@@ -206,37 +266,32 @@ class PushWorker:
             if key is None:
                 unknown.append(request_id)
             else:
-                bus.dispatch(kind, key, Heartbeat(), now)
+                bus.dispatch(kind, key, Heartbeat(engine, sender), now)
         return unknown
 
-    def _send_heartbeats(self, now: float) -> None:
-        """D: every `heartbeat_interval`, `HB:<ids>` per prefill engine (R-P15)."""
-        if self.role != "decode" or now < self.next_heartbeat:
-            return
-        self.next_heartbeat = now + self.config.heartbeat_interval
-        by_engine: dict[str, list[str]] = {}
-        for engine_id, request_id in self._awaited():
-            by_engine.setdefault(engine_id, []).append(request_id)
-        for engine_id, request_ids in sorted(by_engine.items()):
-            self.bus.execute(SendHeartbeat(engine_id, tuple(request_ids)))
-
-    def _awaited(self) -> Iterable[tuple[str, str]]:
-        """(P engine, id P knows) of every transfer D waits on while P holds a lease."""
-        if self.mode == "push":
-            for reg in self.bus.tagged(D_REGISTRATION, "needs_heartbeat"):
-                yield reg.ctx.registration.remote_engine_id, reg.ctx.key
-            return
-        for read in self.bus.tagged(D_READ, "needs_heartbeat"):
-            yield read.ctx.source.prefill.engine_id, read.ctx.source.request_id
-
-    # -- reports to the engine -----------------------------------------------------------
+    # -- reports to the scheduler --------------------------------------------------------
 
     def _on_finished_recving(self, _inst: Instance[object], effect: ReportFinishedRecving) -> None:
-        self._output.finished_recving.add(effect.request_id)
+        self._output.finished_recving += (effect.request_id,)
 
     def _on_failed_recving(self, _inst: Instance[object], effect: ReportFailedRecving) -> None:
         self._output.failed_recving[effect.request_id] = effect.reason
-        self._output.invalid_block_ids.update(effect.block_ids)
 
     def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
-        self._output.finished_sending.add(effect.request_id)
+        self._output.finished_sending += (effect.request_id,)
+
+    def _on_ended(self, _inst: Instance[object], effect: ReportEnded) -> None:
+        self._output_ended.append(effect.request_id)
+
+    def _on_posted(self, _inst: Instance[object], effect: ReportPosted) -> None:
+        self._output.posted += (effect.request_id,)
+
+    def _on_failure(self, _inst: Instance[object] | None, effect: CountFailure) -> None:
+        cause = effect.cause if effect.cause in FAILURE_CAUSES else "post"
+        failures = self._output.failures
+        failures[cause] = failures.get(cause, 0) + 1
+
+
+def _for_rank(registration: PushRegistration, tp_rank: int) -> PushRegistration:
+    """The scheduler's registration as this rank sends it."""
+    return msgspec.structs.replace(registration, decode_tp_rank=tp_rank)

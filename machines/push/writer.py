@@ -1,106 +1,150 @@
-"""The push writer's core: matching, handshakes, notif routing and the wake policy.
+"""The push writer's core: matching, remote engines, notif routing and the wake policy,
+for one worker rank (R-P04..R-P09, R-T03, R-T05, S-02..S-06).
 
-This is the logic of the one `kvhandoff-push-writer` thread per worker, without the
-thread: the thread drains its inboxes into these methods and executes the effects they
-return (`take_effects`). Everything here runs on the writer thread only.
+This is the logic of the rank's one `kvhandoff-push-writer` thread, without the thread:
+the thread feeds it its inputs (the main thread's typed commands, the handshake
+executor's results, NIXL notifs) and executes the effects it returns (`take_effects`).
+Every decision is a declared machine on the writer's own bus: `push.match` pairs D's
+`PUSH_REG`s with P's blocks, `push.remote_engine` holds each peer engine's handshake.
 
-- R-P04: either side may arrive first. A `PUSH_REG` looks up `push_finished_blocks`;
-  finished blocks look up `pending_d_registrations`; both try the exact request id
-  first, then the base id (`get_base_request_id`), which keeps the completion index.
-- R-P05: an operation that needs an unconnected peer goes through that peer's handshake
-  machine (`push.handshake`), which defers and replays it.
-- R-P07: while P finished blocks wait for an unmatched `PUSH_REG`, the writer self-polls
-  (`ArmSelfPoll`); when none wait it blocks on its wake event again (`DisarmSelfPoll`).
+- R-P04: either side may arrive first; a match slot per base request id pairs them.
+- R-P05: an operation whose peer is not connected waits in the peer's remote-engine
+  machine and runs in the writer pass that takes the handshake's result.
+- R-P07: while P's blocks wait for `PUSH_REG`s the writer self-polls.
 - R-P08: the writer is the sole consumer of notifs: `PUSH_REG` goes to matching; `HB:`,
-  completion and WRITE-failed notifs go to the main thread.
-- R-P09: an evicted request's stale entries are dropped and it is never served again.
-- Bad bytes from a peer raise nothing here: they are counted and logged per peer,
-  rate-limited (`rejections`), and change no state.
+  completion and `PUSH_FAIL` notifs go to the main thread with the sender's engine and
+  rank as far as this rank knows them.
+- S-04: a `PUSH_REG` must name this engine, its TP and PP sizes, a D TP size that maps
+  onto this one and a D rank this rank writes into; an agent of a known engine may not
+  register for another one. S-03: registrations waiting for their blocks are capped per
+  peer and in total. S-05: with a cluster key, every notif must be sealed by its sender.
+- Bad input from a peer raises nothing here: it is counted and logged per peer,
+  rate-limited (`rejections`, S-06), and changes no state.
 
-Time is an argument: every entry point takes `now` (the writer thread reads its clock once
-per pass). Everything here runs on the writer thread only.
+Time is an argument: every entry point takes `now`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from typing import Literal
+from typing import Any
 
 from kvhandoff.machines.push.effects import (
     ArmSelfPoll,
+    CancelDeferred,
+    DeferredFailed,
+    DeferredOp,
     DisarmSelfPoll,
+    DroppedRegistration,
     DropRemoteAgent,
+    EvictRegistration,
     ForwardToMain,
+    HoldPending,
     IssueRead,
     IssueWrite,
+    RankRegistration,
     ReplayPush,
     ReplayRead,
     ReplayRegistration,
     ReportToMain,
+    ReportWriteError,
+    RevokeLease,
+    SendPushFail,
     SendPushReg,
+    SendRegistration,
+    StageBlocks,
     StartHandshake,
+    StartRead,
+    WriterCommand,
 )
-from kvhandoff.machines.push.events import Matched
-from kvhandoff.machines.push.handshake import (
-    HANDSHAKE,
-    DeferredOp,
+from kvhandoff.machines.push.events import HandshakeFailed, Revoked
+from kvhandoff.machines.push.match import (
+    MATCH,
+    BlocksArrived,
+    Issued,
+    MatchCtx,
+    RegArrived,
+    Revoke,
+)
+from kvhandoff.machines.push.remote_engine import (
+    REMOTE_ENGINE,
+    Cancel,
     Ensure,
     Failed,
-    HandshakeCtx,
     PeerLost,
+    RemoteEngineCtx,
     Succeeded,
+    Touch,
 )
+from kvhandoff.machines.push.scheduler import Mode, Role
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.rejections import RejectionLog
+from kvhandoff.protocol.auth import ClusterKey, is_sealed
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.notifs import PushRegNotif, parse_notif
+from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
 from kvhandoff.protocol.request_ids import get_base_request_id
+from kvhandoff.protocol.tp_mapping import check_tp_sizes, split_rank, write_targets
 
 log = logging.getLogger("kvhandoff.push.writer")
 
-Role = Literal["prefill", "decode"]
+Identity = tuple[str, int] | None
+"""(engine id, global rank) of a sending agent, or None when it belongs to no known engine."""
 
-_FORGET_AFTER = 65_536  # evicted ids remembered, to drop late duplicates
+_COLLECTED = (
+    ReportToMain,
+    StartHandshake,
+    DropRemoteAgent,
+    DroppedRegistration,
+    SendPushFail,
+)
 
 
 class PushWriter:
+    """One rank's writer core (see the module docstring)."""
+
     def __init__(
         self,
         role: Role,
-        bus: EventBus,
+        engine_id: str,
+        config: PushConfig | None = None,
+        mode: Mode = "push",
         *,
-        poll_interval_s: float = 0.001,
-        handshake_timeout: float = 10.0,
-        pending_registration_ttl: float = 480.0,
+        rank: int = 0,
+        bus: EventBus | None = None,
     ) -> None:
         self.role = role
-        self.bus = bus
-        self.poll_interval_s = poll_interval_s
-        bus.register(HANDSHAKE, {"handshake_timeout": handshake_timeout})
-        for effect_type in (
-            ReportToMain,
-            StartHandshake,
-            ReplayRegistration,
-            ReplayPush,
-            ReplayRead,
-            DropRemoteAgent,
-        ):
-            bus.handle(effect_type, self._collect)
-        self.push_finished_blocks: dict[str, tuple[int, ...]] = {}
-        self.pending_d_registrations: dict[str, PushRegistration] = {}
-        self._finished_by_base: dict[str, str] = {}
-        self._pending_by_base: dict[str, str] = {}
-        self._pending_since: dict[str, float] = {}  # arrival order
-        self._pending_senders: dict[str, str] = {}  # D request id -> agent that sent it
-        self.pending_registration_ttl = pending_registration_ttl
-        self._evicted: OrderedDict[str, None] = OrderedDict()  # base ids
+        self.engine_id = engine_id
+        self.config = cfg = config or PushConfig()
+        self.mode = mode
+        self.rank = rank
+        self.pp_rank, self.tp_rank = split_rank(rank, cfg.tp_size)
+        self.bus = bus or EventBus()
+        machine_config = cfg.machine_config()
+        self.bus.register(MATCH, machine_config)
+        self.bus.register(REMOTE_ENGINE, machine_config)
+        self.key = ClusterKey.from_text(cfg.cluster_key) if cfg.cluster_key else None
+        self.poll_interval_s = cfg.push_writer_poll_interval_ms / 1000.0
         self.self_polling = False
         self.rejections = RejectionLog(log, what="notif")
+        self.dropped: dict[str, int] = {}
+        self.pending_by_peer: dict[str, int] = {}
+        self.pending_count = 0
+        self.pending_blocks = 0
+        self._awaiting: set[str] = set()  # slots whose blocks wait for PUSH_REGs (R-P07)
         self._effects: list[Effect] = []
+        bus = self.bus
+        for effect_type in _COLLECTED:
+            bus.handle(effect_type, self._collect)
+        bus.handle(ReplayRegistration, self._on_op)
+        bus.handle(ReplayPush, self._on_op)
+        bus.handle(ReplayRead, self._on_op)
+        bus.handle(DeferredFailed, self._on_deferred_failed)
+        bus.handle(CancelDeferred, self._on_cancel_deferred)
+        bus.handle(HoldPending, self._on_hold)
 
     @property
     def rejected_notifs(self) -> int:
@@ -112,178 +156,236 @@ class PushWriter:
         effects, self._effects = self._effects, []
         return effects
 
-    def _collect(self, _inst: Instance[HandshakeCtx] | None, effect: Effect) -> None:
-        self._effects.append(effect)
+    def awaiting_registration(self) -> bool:
+        return bool(self._awaiting)
 
-    # -- inboxes ---------------------------------------------------------------------
+    @property
+    def awaiting_count(self) -> int:
+        """Match slots whose blocks wait for `PUSH_REG`s (R-P07)."""
+        return len(self._awaiting)
 
-    def on_reg_send(self, request_id: str, registration: PushRegistration, now: float) -> None:
-        """D: a registration from the reg-send inbox (first pass or replay)."""
-        if get_base_request_id(request_id) in self._evicted:
-            return
-        reg = registration
-        op = ReplayRegistration(request_id, reg)
-        self._through_handshake(reg.remote_engine_id, reg.remote_host, reg.remote_port, op, now)
+    # -- inputs ---------------------------------------------------------------------------
 
-    def on_pull_read(self, op: ReplayRead, now: float) -> None:
-        """D, pull mode (B-09): a read from the pull-read inbox (first pass or replay)."""
-        if get_base_request_id(op.request_id) in self._evicted:
-            return
-        prefill = op.source.prefill
-        self._through_handshake(prefill.engine_id, prefill.host, prefill.port, op, now)
-
-    def on_finished_blocks(self, request_id: str, block_ids: tuple[int, ...], now: float) -> None:
-        """P: finished blocks from the finished-blocks inbox."""
-        if get_base_request_id(request_id) in self._evicted:
-            return
-        registration, sender = self._pop_registration(request_id)
-        if registration is None:
-            self.push_finished_blocks[request_id] = block_ids
-            self._finished_by_base[get_base_request_id(request_id)] = request_id
+    def on_command(self, command: WriterCommand, now: float) -> None:
+        """One typed command from the main thread, in the order it was given."""
+        self.bus.advance(now)
+        if isinstance(command, SendRegistration):
+            op: DeferredOp = ReplayRegistration(command.request_id, command.registration)
+            self._through(command.registration.remote_engine_id, op, now)
+        elif isinstance(command, StageBlocks):
+            self._to_slot(command.request_id, BlocksArrived(command.request_id, command.block_ids))
+        elif isinstance(command, RevokeLease):
+            if self.bus.get(MATCH, get_base_request_id(command.request_id)) is None:
+                self._effects.append(ReportToMain(command.request_id, Revoked()))
+            else:
+                self._to_slot(command.request_id, Revoke(command.request_id))
+        elif isinstance(command, ReportWriteError):
+            self._tell_write_error(command)
+        elif isinstance(command, EvictRegistration):
+            self._cancel_everywhere(command.request_id)
+        elif isinstance(command, StartRead):
+            read = ReplayRead(command.request_id, command.source, command.block_ids)
+            self._through(command.source.prefill.engine_id, read, now)
         else:
-            self._matched(request_id, block_ids, registration, sender, now)
+            self._cancel_everywhere(command.request_id)
+            self._effects.append(ReportToMain(command.request_id, Revoked()))
         self._update_self_poll()
 
-    def on_deferred_push(self, op: ReplayPush, now: float) -> None:
-        """P: a matched push replayed after its handshake."""
-        if get_base_request_id(op.request_id) not in self._evicted:
-            self._push(op, now)
-
-    def on_evict(self, request_id: str) -> None:
-        """Drop everything the writer still holds for a finished or expired request."""
-        base = get_base_request_id(request_id)
-        self._remember_evicted(base)
-        if self.push_finished_blocks.pop(request_id, None) is not None:
-            self._finished_by_base.pop(base, None)
-        pending_id = self._pending_by_base.pop(base, None)
-        for key in {request_id, pending_id}:
-            if key is not None:
-                self.pending_d_registrations.pop(key, None)
-                self._pending_since.pop(key, None)
-                self._pending_senders.pop(key, None)
+    def on_handshake_result(self, engine_id: str, attempt: int, ok: bool, now: float) -> None:
+        # Due timers first: an engine evicted by now takes no late result.
+        self.bus.advance(now)
+        if self.bus.get(REMOTE_ENGINE, engine_id) is not None:
+            event = Succeeded(attempt) if ok else Failed(attempt)
+            self.bus.dispatch(REMOTE_ENGINE, engine_id, event, now)
         self._update_self_poll()
-
-    def on_handshake_result(self, engine_id: str, ok: bool, now: float) -> None:
-        if self.bus.get(HANDSHAKE, engine_id) is not None:
-            event = Succeeded() if ok else Failed()
-            self.bus.dispatch(HANDSHAKE, engine_id, event, now)
 
     def on_peer_lost(self, engine_id: str, now: float) -> None:
-        if self.bus.get(HANDSHAKE, engine_id) is not None:
-            self.bus.dispatch(HANDSHAKE, engine_id, PeerLost(), now)
+        """B-08: a send or WRITE found the peer gone: forget its agents."""
+        self.bus.advance(now)
+        if self.bus.get(REMOTE_ENGINE, engine_id) is not None:
+            self.bus.dispatch(REMOTE_ENGINE, engine_id, PeerLost(), now)
 
-    def on_notif(self, peer: str, data: bytes, now: float) -> None:
+    def on_issued(self, p_request_id: str, now: float) -> None:
+        """The push of `p_request_id` was posted or failed to post."""
+        if self.bus.get(MATCH, get_base_request_id(p_request_id)) is not None:
+            self._to_slot(p_request_id, Issued(p_request_id))
+            self._update_self_poll()
+
+    def retry(self, op: ReplayPush, now: float) -> None:
+        """Send a push through D's remote engine again (after its agents were forgotten)."""
+        self._through(op.engine_id, op, now)
+
+    def advance(self, now: float) -> None:
+        """Fire what is due by `now` (pending registrations, tombstones, handshakes,
+        idle engines)."""
+        self.bus.advance(now)
+        self._update_self_poll()
+
+    def on_notif(self, peer: str, identity: Identity, data: bytes, now: float) -> None:
         """Route one notif from `get_new_notifs` (R-P08)."""
+        self.bus.advance(now)
         try:
+            if self.key is not None:
+                data = self.key.open(peer, data)
+            elif is_sealed(data):
+                raise RemoteProtocolError("sealed notif, but no cluster key is configured")
             notif = parse_notif(data, peer=peer)
+            engine, rank = identity if identity is not None else (None, None)
+            if engine is not None:
+                self._touch(engine, now)
             if isinstance(notif, PushRegNotif):
-                if self.role != "prefill":
-                    raise RemoteProtocolError("PUSH_REG sent to a decode instance", peer=peer)
-                self._on_push_reg(notif.registration, peer, now)
+                if self.role != "prefill" or self.mode != "push":
+                    raise RemoteProtocolError(f"PUSH_REG sent to a {self.role} instance")
+                self._on_push_reg(notif.registration, peer, engine, now)
             else:
-                self._effects.append(ForwardToMain(notif, peer))
+                self._effects.append(ForwardToMain(notif, peer, engine, rank))
         except RemoteProtocolError as exc:
-            self.rejections.reject(peer, exc, now)  # counted, logged rate-limited per peer
+            self.reject(peer, exc, now)
+        self._update_self_poll()
 
-    def is_connected(self, engine_id: str) -> bool:
-        return self.bus.has_tag(HANDSHAKE, engine_id, "peer_ready")
+    def reject(self, peer: str | None, exc: RemoteProtocolError | str, now: float) -> None:
+        self.rejections.reject(peer, exc, now)
 
     # -- matching (R-P04) --------------------------------------------------------------
 
-    def _on_push_reg(self, registration: PushRegistration, sender: str, now: float) -> None:
-        d_request_id = registration.request_id
-        p_request_id = self._pop_finished(d_request_id)
-        if p_request_id is None:
-            if get_base_request_id(d_request_id) in self._evicted:
-                return  # a late duplicate of a request already served or reaped
-            self.pending_d_registrations[d_request_id] = registration
-            self._pending_since[d_request_id] = now
-            self._pending_by_base[get_base_request_id(d_request_id)] = d_request_id
-            self._pending_senders[d_request_id] = sender
-            return
-        blocks = self.push_finished_blocks.pop(p_request_id)
-        self._matched(p_request_id, blocks, registration, sender, now)
-        self._update_self_poll()
-
-    def _pop_finished(self, d_request_id: str) -> str | None:
-        if d_request_id in self.push_finished_blocks:
-            self._finished_by_base.pop(get_base_request_id(d_request_id), None)
-            return d_request_id
-        return self._finished_by_base.pop(get_base_request_id(d_request_id), None)
-
-    def _pop_registration(self, p_request_id: str) -> tuple[PushRegistration | None, str]:
-        """The pending registration matching `p_request_id`, and the agent that sent it."""
-        base = get_base_request_id(p_request_id)
-        d_request_id = p_request_id if p_request_id in self.pending_d_registrations else None
-        d_request_id = d_request_id or self._pending_by_base.get(base)
-        if d_request_id is None:
-            return None, ""
-        self._pending_by_base.pop(get_base_request_id(d_request_id), None)
-        self._pending_since.pop(d_request_id, None)
-        sender = self._pending_senders.pop(d_request_id, "")
-        return self.pending_d_registrations.pop(d_request_id, None), sender
-
-    def _matched(
-        self,
-        p_request_id: str,
-        blocks: tuple[int, ...],
-        registration: PushRegistration,
-        sender: str,
-        now: float,
+    def _on_push_reg(
+        self, reg: PushRegistration, sender: str, sender_engine: str | None, now: float
     ) -> None:
-        self._effects.append(ReportToMain(p_request_id, Matched(), peer=sender or None))
-        self._push(ReplayPush(p_request_id, blocks, registration, sender), now)
+        cfg = self.config
+        if reg.remote_engine_id != self.engine_id:
+            raise RemoteProtocolError(f"PUSH_REG for engine {reg.remote_engine_id!r}", peer=sender)
+        if (reg.remote_tp_size, reg.remote_pp_size) != (cfg.tp_size, cfg.pp_size):
+            raise RemoteProtocolError(
+                f"PUSH_REG {reg.request_id!r} names P as TP {reg.remote_tp_size} x PP"
+                f" {reg.remote_pp_size}; this engine is {cfg.tp_size} x {cfg.pp_size}",
+                peer=sender,
+            )
+        if not reg.block_ids:
+            raise RemoteProtocolError(
+                f"PUSH_REG {reg.request_id!r} registers no blocks", peer=sender
+            )
+        check_tp_sizes(cfg.tp_size, reg.decode_tp_size, peer=sender)
+        targets = write_targets(cfg.tp_size, self.tp_rank, reg.decode_tp_size)
+        if reg.decode_tp_rank not in {t.d_rank for t in targets}:
+            raise RemoteProtocolError(
+                f"PUSH_REG {reg.request_id!r} of D rank {reg.decode_tp_rank}, which P rank"
+                f" {self.rank} does not write into",
+                peer=sender,
+            )
+        if sender_engine is not None and sender_engine != reg.decode_engine_id:
+            raise RemoteProtocolError(
+                f"an agent of engine {sender_engine!r} registers for {reg.decode_engine_id!r}",
+                peer=sender,
+            )
+        self._check_caps(sender, len(reg.block_ids))
+        event = RegArrived(RankRegistration(reg.decode_tp_rank, reg, sender))
+        self._to_slot(reg.request_id, event)
 
-    def _push(self, op: ReplayPush, now: float) -> None:
-        reg = op.registration
-        self._through_handshake(reg.decode_engine_id, reg.decode_host, reg.decode_port, op, now)
+    def _check_caps(self, peer: str, blocks: int) -> None:
+        """S-03: what one peer, and every peer together, can make this rank hold."""
+        cfg = self.config
+        if self.pending_by_peer.get(peer, 0) >= cfg.max_pending_registrations_per_peer:
+            raise RemoteProtocolError(
+                f"over the cap of {cfg.max_pending_registrations_per_peer} waiting PUSH_REGs"
+                " per peer",
+                peer=peer,
+            )
+        if self.pending_count >= cfg.max_pending_registrations:
+            raise RemoteProtocolError(
+                f"over the cap of {cfg.max_pending_registrations} waiting PUSH_REGs", peer=peer
+            )
+        if self.pending_blocks + blocks > cfg.max_pending_block_ids:
+            raise RemoteProtocolError(
+                f"over the cap of {cfg.max_pending_block_ids} block ids in waiting PUSH_REGs",
+                peer=peer,
+            )
 
-    # -- handshakes (R-P05) ------------------------------------------------------------
-
-    def _through_handshake(
-        self, engine_id: str, host: str, port: int, op: DeferredOp, now: float
+    def _to_slot(
+        self, request_id: str, event: RegArrived | BlocksArrived | Revoke | Issued
     ) -> None:
+        base = get_base_request_id(request_id)
         bus = self.bus
-        if self.is_connected(engine_id):
-            self._effects.append(_proceed(op))
-            return
-        if bus.get(HANDSHAKE, engine_id) is None:
-            bus.create(HANDSHAKE, HandshakeCtx(engine_id, host, port), now)
-        bus.dispatch(HANDSHAKE, engine_id, Ensure(op), now)
+        inst = bus.get(MATCH, base)
+        if inst is None:
+            ctx = MatchCtx(base, p_tp=self.config.tp_size, p_tp_rank=self.tp_rank)
+            inst = bus.create(MATCH, ctx, bus.now)
+        bus.dispatch(MATCH, base, event, bus.now)
+        if bus.get(MATCH, base) is not None and inst.has("awaiting_registration"):
+            self._awaiting.add(base)
+        else:
+            self._awaiting.discard(base)
+
+    def _tell_write_error(self, command: ReportWriteError) -> None:
+        inst = self.bus.get(MATCH, get_base_request_id(command.request_id))
+        push = None if inst is None else inst.ctx.push
+        if push is not None and push.request_id == command.request_id:
+            self._effects.append(SendPushFail(push, command.reason, command.d_ranks))
+
+    # -- remote engines (R-P05, B-08, B-11) --------------------------------------------
+
+    def _through(self, engine_id: str, op: DeferredOp, now: float) -> None:
+        bus = self.bus
+        if bus.get(REMOTE_ENGINE, engine_id) is None:
+            ctx = RemoteEngineCtx(engine_id, "", 0, ttl=self.config.engine_ttl)
+            bus.create(REMOTE_ENGINE, ctx, now)
+        bus.dispatch(REMOTE_ENGINE, engine_id, Ensure(op), now)
+
+    def _touch(self, engine_id: str, now: float) -> None:
+        if self.bus.get(REMOTE_ENGINE, engine_id) is not None:
+            self.bus.dispatch(REMOTE_ENGINE, engine_id, Touch(), now)
+
+    def is_connected(self, engine_id: str) -> bool:
+        return self.bus.has_tag(REMOTE_ENGINE, engine_id, "peer_ready")
+
+    def _cancel_everywhere(self, request_id: str) -> None:
+        bus = self.bus
+        for inst in bus.tagged(REMOTE_ENGINE, "deferring"):
+            bus.dispatch(REMOTE_ENGINE, inst.key, Cancel(request_id), bus.now)
+
+    # -- effect handlers ------------------------------------------------------------------
+
+    def _collect(self, _inst: Instance[Any] | None, effect: Effect) -> None:
+        if isinstance(effect, DroppedRegistration):
+            self.dropped[effect.reason] = self.dropped.get(effect.reason, 0) + 1
+        self._effects.append(effect)
+
+    def _on_op(self, inst: Instance[Any] | None, op: DeferredOp) -> None:
+        """An operation: a new push from a match slot goes through D's remote engine; one
+        that a remote engine lets proceed is carried out."""
+        if inst is not None and inst.machine.decl is MATCH:
+            assert isinstance(op, ReplayPush)
+            self._through(op.engine_id, op, self.bus.now)
+        elif isinstance(op, ReplayRegistration):
+            self._effects.append(SendPushReg(op.request_id, op.registration))
+        elif isinstance(op, ReplayPush):
+            self._effects.append(IssueWrite(op))
+        else:
+            self._effects.append(IssueRead(op.request_id, op.source, op.block_ids))
+
+    def _on_deferred_failed(self, _inst: Instance[Any] | None, effect: DeferredFailed) -> None:
+        op = effect.op
+        self._effects.append(ReportToMain(op.request_id, HandshakeFailed()))
+        if isinstance(op, ReplayPush):
+            self._to_slot(op.request_id, Issued(op.request_id))
+
+    def _on_cancel_deferred(self, _inst: Instance[Any] | None, effect: CancelDeferred) -> None:
+        bus = self.bus
+        if bus.get(REMOTE_ENGINE, effect.engine_id) is not None:
+            bus.dispatch(REMOTE_ENGINE, effect.engine_id, Cancel(effect.request_id), bus.now)
+
+    def _on_hold(self, _inst: Instance[Any] | None, effect: HoldPending) -> None:
+        count = self.pending_by_peer.get(effect.peer, 0) + effect.count
+        if count > 0:
+            self.pending_by_peer[effect.peer] = count
+        else:
+            self.pending_by_peer.pop(effect.peer, None)
+        self.pending_count += effect.count
+        self.pending_blocks += effect.blocks * effect.count
 
     # -- wake policy (R-P07) -------------------------------------------------------------
 
     def _update_self_poll(self) -> None:
-        wanted = bool(self.push_finished_blocks)
+        wanted = bool(self._awaiting)
         if wanted != self.self_polling:
             self.self_polling = wanted
             self._effects.append(ArmSelfPoll(self.poll_interval_s) if wanted else DisarmSelfPoll())
-
-    def _remember_evicted(self, base_request_id: str) -> None:
-        self._evicted[base_request_id] = None
-        while len(self._evicted) > _FORGET_AFTER:
-            self._evicted.popitem(last=False)
-
-    def expire_pending(self, now: float) -> int:
-        """Drop `PUSH_REG`s that waited longer than D's own watchdog for their blocks."""
-        deadline = now - self.pending_registration_ttl
-        dropped = 0
-        while self._pending_since:
-            d_request_id, since = next(iter(self._pending_since.items()))
-            if since > deadline:
-                break
-            del self._pending_since[d_request_id]
-            self._pending_senders.pop(d_request_id, None)
-            if self.pending_d_registrations.pop(d_request_id, None) is not None:
-                self._pending_by_base.pop(get_base_request_id(d_request_id), None)
-                dropped += 1
-        return dropped
-
-
-def _proceed(op: DeferredOp) -> Effect:
-    """The operation itself, once its peer is connected."""
-    if isinstance(op, ReplayRegistration):
-        return SendPushReg(op.request_id, op.registration)
-    if isinstance(op, ReplayRead):
-        return IssueRead(op.request_id, op.source, op.block_ids)
-    return IssueWrite(op.request_id, op.block_ids, op.registration, op.sender_agent)

@@ -19,6 +19,9 @@ else defines a lifecycle.
         config_defaults={"kv_lease_duration": 30.0},
     )
 
+`groups=[{"label": ..., "tag" | "timeout" | "states": ...}]` optionally names groups of
+states with a reader's label (`groups.py`); the diagrams draw them as composite states.
+
 Every rule is checked here, so a malformed declaration fails at import time with a
 message naming the machine and the offending element: one initial state, every state
 reachable, no trap states, guards that distinguish duplicate triggers, every named
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kvhandoff.machines.runtime.events import Event
+from kvhandoff.machines.runtime.groups import GroupDecl, normalise_groups
 from kvhandoff.machines.runtime.signatures import check_signature, hints_of
 from kvhandoff.machines.runtime.signatures import fail as _fail
 from kvhandoff.protocol.errors import LocalProtocolError
@@ -110,6 +114,8 @@ class Declaration(Generic[C]):
     callbacks: Mapping[str, Callable[..., object]] = field(default_factory=dict)
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     description: str = ""
+    groups: Sequence[Mapping[str, Any]] = ()
+    """Labelled groups of states for the diagrams (`groups.py`); dispatch ignores them."""
 
     # Normalised views, filled in __post_init__.
     state_decls: tuple[StateDecl, ...] = field(init=False)
@@ -117,6 +123,7 @@ class Declaration(Generic[C]):
     ignored_pairs: frozenset[tuple[str, type[Event]]] = field(init=False)
     initial_state: str = field(init=False)
     tags: frozenset[str] = field(init=False)
+    group_decls: tuple[GroupDecl, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         _validate_context(self)
@@ -130,6 +137,7 @@ class Declaration(Generic[C]):
         transitions = tuple(_expand_transitions(self, known))
         object.__setattr__(self, "transition_decls", transitions)
         object.__setattr__(self, "ignored_pairs", _ignored(self, known))
+        object.__setattr__(self, "group_decls", normalise_groups(self.name, self.groups, states))
         _validate(self)
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
 from kvhandoff.machines.ec.request import EC_REQUEST
+from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol.ec_config import DEFAULT_PIN_LEASE_S
 from kvhandoff.sim.ec.plane import Engine
@@ -40,7 +41,8 @@ def check_read_retired(world: SimulatedECWorld, inst: Instance[Any]) -> None:
         return
     ctx = inst.ctx
     reason = ctx.reason
-    spent = ctx.not_ready >= world.settings.max_not_ready
+    timed_out = world.clock.now - ctx.first_sent_at >= ctx.not_ready_s - EPS
+    spent = ctx.not_ready >= world.settings.max_not_ready or timed_out
     outcomes = world.outcomes
     outcome = f"read.{inst.state}" + (f".{reason}" if reason else "")
     outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -67,6 +69,14 @@ def check_invariants(world: SimulatedECWorld) -> None:
         except AssertionError as exc:
             world.violation(f"{engine.name} pool and entries disagree: {exc}")
     producer = plane.producer
+    p2p = producer.scheduler.producer
+    if producer.alive and p2p is not None:
+        held = p2p.pins()
+        for peer, pins in held.items():
+            if pins > p2p.max_per_peer:
+                world.violation(f"consumer {peer!r} holds {pins} pins, over its cap (S-03)")
+        if held.total() > p2p.max_total:
+            world.violation(f"{held.total()} pins held in all, over the cap (S-03)")
     if producer.alive:
         grants: dict[str, int] = {}
         for grant in producer.scheduler.bus.tagged(EC_PRODUCER_GRANT, "leased"):
@@ -88,18 +98,25 @@ def check_invariants(world: SimulatedECWorld) -> None:
 def _check_consumer(world: SimulatedECWorld, consumer: Engine) -> None:
     bus = consumer.scheduler.bus
     held: dict[str, int] = {}
+    for item in bus.tagged(EC_SETTLEMENT, "holds_pin"):
+        held[item.ctx.mm_hash] = held.get(item.ctx.mm_hash, 0) + 1
     for request in bus.instances(EC_REQUEST):
         ctx = request.ctx
-        for h in ctx.held:
-            held[h] = held.get(h, 0) + 1
         if not request.has("failed_cleanly") and set(ctx.local) & ctx.metadata_only:
             world.violation(f"{request.key} encodes locally without media")
+    loads = consumer.outstanding_loads()
     for entry in consumer.scheduler.cache.entries():
         key = entry.ctx.key
-        expected = held.get(key, 0) + consumer.outstanding_loads.get(key, 0)
+        expected = held.get(key, 0) + loads.get(key, 0)
         if entry.ctx.pins != expected:
             world.violation(f"consumer {key} has {entry.ctx.pins} pins, {expected} owed")
     for read in bus.instances(EC_CONSUMER_READ):
+        wanted = world.settings.tokens(str(read.key))
+        if len(read.ctx.dest_blocks) != wanted:
+            world.violation(
+                f"read of {read.key} reserved {len(read.ctx.dest_blocks)} blocks, its "
+                f"encoding takes {wanted} (an announced size trusted, S-04)"
+            )
         if read.has("timed_wait"):
             if read.timer is None:
                 world.violation(f"read of {read.key} in {read.state} has no deadline")

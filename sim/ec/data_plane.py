@@ -3,9 +3,10 @@
 `IssueRead` becomes a NIXL READ that completes after a delay, fails, or stalls; loading
 a new producer agent may fail (`handshake_fail`). Across a partition a READ waits for
 the heal; a READ from a crashed producer fails. A READ nobody awaits any more (its read
-ended, its quarantine too) is cancelled, as the real reader releases its handle: it
-lands nowhere. `CopyBlocks` lands after a delay (`slow_save` makes saves late); a save
-writes the entry's tag into its blocks, a load checks it.
+ended, its quarantine too) is cancelled when the read asks for its handle's release
+(`ReleaseRead`): it lands nowhere, and only then is its destination freed. `CopyBlocks`
+lands after a delay on each rank (`slow_save` makes saves late); a save writes the
+entry's tag into its blocks, a load checks it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, IssueRead
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, IssueRead, ReleaseRead
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
+from kvhandoff.machines.ec.worker import ECWorker
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.sim.ec.engine import Engine
 from kvhandoff.sim.faults import SimFaults
@@ -36,6 +38,7 @@ class DataPlane:
     read_faults: list[str]
     reads_started: int
     reads_landed: int
+    cancelled_reads: set[str]
     _held_reads: list[Callable[[], None]]
 
     # Provided by `SimECPlane`, the one class this is mixed into.
@@ -54,6 +57,12 @@ class DataPlane:
 
     def _issue_read(self, engine: Engine, read: IssueRead) -> None:
         self.reads_started += 1
+        if not read.producer_agent_name.startswith("agent-producer-"):
+            self.violation(
+                f"READ of {read.mm_hash} from agent {read.producer_agent_name!r}, not the "
+                f"producer at {read.peer_host}:{read.peer_port} it asked (S-02)"
+            )
+            return
         producer = self.producer
         faults, rng = self.faults, self.rng
         fault = self.read_faults.pop(0) if self.read_faults else ""
@@ -87,12 +96,20 @@ class DataPlane:
 
         self.at(when, land)
 
+    def _release_read(self, engine: Engine, effect: ReleaseRead) -> None:
+        """A quarantine ended: the reader releases the READ's handle, which cancels the
+        DMA, and says so; only then is the destination freed."""
+        self.cancelled_reads.add(effect.transfer_id)
+        engine.scheduler.on_read_released(effect.mm_hash, self.clock.now)
+
     def _land_read(self, consumer: Engine, producer: Engine, read: IssueRead) -> None:
         live = consumer.scheduler.bus.get(EC_CONSUMER_READ, read.mm_hash)
+        if read.transfer_id in self.cancelled_reads:
+            self.cancelled_reads.discard(read.transfer_id)
+            self.count("reads_cancelled")  # its handle was released: the DMA lands nowhere
+            return
         if live is None or live.ctx.transfer_id != read.transfer_id:
-            # Nobody awaits it any more (its quarantine ended): the reader released the
-            # handle, which cancels the DMA (`ECNixlReader.poll`).
-            self.count("reads_cancelled")
+            self.violation(f"READ {read.transfer_id} of {read.mm_hash} lands, nobody awaits it")
             return
         pool = consumer.scheduler.cache.pool
         for dst in read.dst_blocks:
@@ -112,17 +129,14 @@ class DataPlane:
         self.reads_landed += 1
         consumer.scheduler.on_read_done(read.mm_hash, read.transfer_id, self.clock.now)
 
-    def _copy(self, engine: Engine, copy: CopyBlocks) -> None:
+    def _copy_on(self, engine: Engine, worker: ECWorker, inst: object, copy: CopyBlocks) -> None:
+        """One rank's copy engine runs a batch; each rank lands at its own time."""
         bounds = self.copy_delay
         slow = self.faults.slow_save
         if copy.direction == "save" and slow and self.rng.random() < slow:
             bounds = (1.0, 6.0)
             self.count("slow_saves")
         when = self.clock.now + self._delay(bounds)
-        if copy.direction == "load":
-            for item in copy.items:
-                loads = engine.outstanding_loads
-                loads[item.mm_hash] = loads.get(item.mm_hash, 0) + 1
 
         def land() -> None:
             if not engine.alive:
@@ -135,7 +149,10 @@ class DataPlane:
                 for item in copy.items:
                     tags = {engine.region[b] for b in item.blocks}
                     if tags != {item.mm_hash}:
-                        self.violation(f"{engine.name} load of {item.mm_hash} reads {tags}")
-            engine.worker.on_copy_done(copy.batch_id, self.clock.now)
+                        self.violation(
+                            f"{engine.name} rank {worker.tp_rank}/{worker.pcp_rank} load "
+                            f"{item.transfer_id} of {item.mm_hash} reads {tags}"
+                        )
+            worker.on_copy_done(copy.batch_id, self.clock.now)
 
         self.at(when, land)

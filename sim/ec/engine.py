@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
+from kvhandoff.machines.ec.meta import ECWorkerMeta
 from kvhandoff.machines.ec.request import FailRequest
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.ec.worker import ECWorker
@@ -46,12 +47,13 @@ def transfer_config(
 
 @dataclass
 class Engine:
-    """One instance: a scheduler half, one worker half, and its region's block tags."""
+    """One instance: a scheduler half, one worker half per TP/PCP rank (each on its own
+    bus, sharing nothing with the scheduler), and its region's block tags."""
 
     name: str
     role: ECRole
     scheduler: ECScheduler
-    worker: ECWorker
+    workers: list[ECWorker]
     region: list[str | None]
     host: str = ""
     port: int = 0
@@ -61,4 +63,24 @@ class Engine:
     known_agents: set[str] = field(default_factory=set)  # producer agents it loaded
     evicted: list[EncodingEvicted] = field(default_factory=list)
     failed: list[FailRequest] = field(default_factory=list)
-    outstanding_loads: dict[str, int] = field(default_factory=dict)
+    loads_unreported: dict[int, tuple[str, set[int]]] = field(default_factory=dict)
+    """Ground truth of the simulation: load transfer id -> (`mm_hash`, ranks whose report
+    of it has not reached the scheduler yet). The entry must stay pinned meanwhile."""
+    reports_in_transit: list[tuple[float, int, ECWorkerMeta]] = field(default_factory=list)
+    """Rank reports on their way to the scheduler: (due, order, report)."""
+
+    @property
+    def worker(self) -> ECWorker:
+        """The writer rank's worker (TP 0 / PCP 0)."""
+        return self.workers[0]
+
+    def copies_in_flight(self) -> int:
+        return sum(worker.in_flight() for worker in self.workers)
+
+    def outstanding_loads(self) -> dict[str, int]:
+        """Load transfers per `mm_hash` some rank has not reported yet."""
+        out: dict[str, int] = {}
+        for mm_hash, ranks in self.loads_unreported.values():
+            if ranks:
+                out[mm_hash] = out.get(mm_hash, 0) + 1
+        return out

@@ -39,10 +39,13 @@ def eviction_pressure(world: SimulatedECWorld) -> None:
     allocs = []
     for _ in range(world.rng.randint(2, 5)):
         world.fillers += 1
-        req = ECRequestInfo(f"filler-{world.fillers}", (f"filler{world.fillers}",))
-        allocs.append((req, f"filler{world.fillers}", world.settings.max_tokens))
+        name = f"filler{world.fillers}"
+        req = ECRequestInfo(
+            f"filler-{world.fillers}", (name,), mm_tokens=(world.settings.max_tokens,)
+        )
+        allocs.append((req, 0))
     world.plane.engine_step(producer, allocs)
-    for req, _, _ in allocs:
+    for req, _ in allocs:
         producer.scheduler.request_finished(req, world.clock.now)
 
 

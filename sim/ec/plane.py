@@ -22,6 +22,7 @@ world (`sim.ec.world`) or a test decides what that means.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhandoff.machines.ec.cache_entry import EncodingEvicted
-from kvhandoff.machines.ec.consumer_read import IssueRead, SendXferDone, SendXferReq
+from kvhandoff.machines.ec.consumer_read import IssueRead, ReleaseRead, SendXferDone, SendXferReq
 from kvhandoff.machines.ec.copy_batch import CopyBlocks
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.producer_grant import SendXferAck
@@ -49,6 +50,7 @@ from kvhandoff.protocol.ec_wire import (
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.sim.ec.data_plane import DataPlane
 from kvhandoff.sim.ec.engine import BLOCK_BYTES, COMPAT, Engine, layout, transfer_config
+from kvhandoff.sim.ec.reports import ReportChannel
 from kvhandoff.sim.faults import SimFaults
 
 __all__ = ["BLOCK_BYTES", "COMPAT", "Engine", "SimECPlane", "layout", "transfer_config"]
@@ -84,8 +86,14 @@ class SimECPlane(DataPlane):
         eviction_observer: Callable[[Engine, str, list[Any]], None] | None = None,
         on_engine: Callable[[Engine], None] | None = None,
         ack_observer: Callable[[str, Any, str, str], None] | None = None,
+        tp_size: int = 1,
+        pcp_size: int = 1,
     ) -> None:
         self.rng = rng or random.Random(seed)
+        self.tp_size, self.pcp_size = tp_size, pcp_size
+        self.reports = ReportChannel(random.Random(self.rng.getrandbits(64)))
+        id_rng = random.Random(self.rng.getrandbits(64))
+        self.transfer_ids = lambda: f"{id_rng.getrandbits(128):032x}"
         self.clock = clock or VirtualClock()
         self.faults = faults or SimFaults.none()
         self.net_delay = net_delay
@@ -122,10 +130,11 @@ class SimECPlane(DataPlane):
         self.counters: dict[str, int] = {}
         self.reads_started = 0
         self.reads_landed = 0
+        self.cancelled_reads: set[str] = set()
 
     @property
     def outstanding_loads(self) -> dict[str, int]:
-        return self.consumer.outstanding_loads
+        return self.consumer.outstanding_loads()
 
     def count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -153,29 +162,48 @@ class SimECPlane(DataPlane):
             env=env,
             machine_config=self.machine_config,
             eviction_observer=observe,
+            tp_size=self.tp_size,
+            pcp_size=self.pcp_size,
+            transfer_ids=self.transfer_ids,
         )
-        worker = ECWorker(config, lay)
-        worker.register_caches(0, lay.region_bytes, self.clock.now)
-        engine = Engine(name, role, scheduler, worker, [None] * num_blocks, f"{name}.sim", 5601)
+        workers = [
+            ECWorker(config, lay, tp_rank=tp, pcp_rank=pcp)
+            for pcp in range(self.pcp_size)
+            for tp in range(self.tp_size)
+        ]
+        for worker in workers:
+            worker.register_region(0, lay.region_bytes, self.clock.now)
+        engine = Engine(name, role, scheduler, workers, [None] * num_blocks, f"{name}.sim", 5601)
         engine.epoch = epoch
         engine.identity = engine_id.encode()
+        for bus in (scheduler.bus, *(worker.bus for worker in workers)):
+            bus.on_error = functools.partial(self._machine_error, name)
         holder.append(engine)
         if config.is_producer:
             scheduler.register_nixl_agent(f"agent-{engine_id}", f"md-{engine_id}".encode(), 4096)
         bus = scheduler.bus
         bus.handle(
-            SendXferReq, lambda inst, e: self._send_to_producer(engine, encode_xfer_req(e.req))
+            SendXferReq,
+            lambda inst, e: self._send_to_producer(engine, e.peer_host, encode_xfer_req(e.req)),
         )
         bus.handle(
-            SendXferDone, lambda inst, e: self._send_to_producer(engine, encode_xfer_done(e.done))
+            SendXferDone,
+            lambda inst, e: self._send_to_producer(engine, e.peer_host, encode_xfer_done(e.done)),
         )
         bus.handle(SendXferAck, lambda inst, e: self._send_ack(engine, e))
         bus.handle(IssueRead, lambda inst, e: self._issue_read(engine, e))
+        bus.handle(ReleaseRead, lambda inst, e: self._release_read(engine, e))
         bus.handle(EncodingEvicted, lambda inst, e: engine.evicted.append(e))
-        worker.bus.handle(CopyBlocks, lambda inst, e: self._copy(engine, e))
+        for worker in workers:
+            worker.bus.handle(CopyBlocks, functools.partial(self._copy_on, engine, worker))
         if self.on_engine is not None:
             self.on_engine(engine)
         return engine
+
+    def _machine_error(self, name: str, inst: Any, event: Any, exc: BaseException) -> None:
+        """An error inside a machine (an effect to a dead instance, an illegal event) is a
+        bug the simulation reports, never something to log and forget."""
+        self.violation(f"{name} {inst.machine.name} {inst.key!r} on {event.trigger}: {exc}")
 
     def crash(self, which: str) -> None:
         """`producer` or `consumer` dies: nothing it had in flight lands any more."""
@@ -214,7 +242,8 @@ class SimECPlane(DataPlane):
         heapq.heappush(self._events, _Event(when, next(self._seq), run))
 
     def in_flight(self) -> int:
-        return len(self._events) + len(self._held_messages) + len(self._held_reads)
+        reports = sum(len(e.reports_in_transit) for e in self.engines() if e.alive)
+        return len(self._events) + len(self._held_messages) + len(self._held_reads) + reports
 
     def next_event(self) -> float | None:
         """The earliest time something happens by itself (work or a machine deadline)."""
@@ -225,6 +254,11 @@ class SimECPlane(DataPlane):
                 if deadline is not None:
                     times.append(deadline)
         return min(times, default=None)
+
+    def next_report(self) -> float | None:
+        """When the next rank report in transit is due (an engine step delivers it)."""
+        dues = [ReportChannel.next_due(e) for e in self.engines() if e.alive]
+        return min((due for due in dues if due is not None), default=None)
 
     def advance(self, seconds: float, *, step: Callable[[], None] | None = None) -> None:
         """Run every due piece of work up to `now + seconds`, stepping after each."""
@@ -253,9 +287,15 @@ class SimECPlane(DataPlane):
 
     # -- control plane -------------------------------------------------------------------
 
-    def _send_to_producer(self, engine: Engine, data: bytes) -> None:
-        if engine is self.consumer and engine.alive:
-            self._send(TO_PRODUCER, data, engine.identity)
+    def _send_to_producer(self, engine: Engine, host: str, data: bytes) -> None:
+        """On the consumer's DEALER to `host`: the producer's, or another peer's (a
+        hostile producer's messages go nowhere the simulation follows)."""
+        if engine is not self.consumer or not engine.alive:
+            return
+        if host != self.producer.host:
+            self.count("to_other_peers")
+            return
+        self._send(TO_PRODUCER, data, engine.identity)
 
     def _send(self, link: str, data: bytes, identity: bytes = b"") -> None:
         if self.drop_next > 0:
@@ -301,10 +341,10 @@ class SimECPlane(DataPlane):
     def _send_ack(self, engine: Engine, effect: SendXferAck) -> None:
         if engine is not self.producer or not engine.alive:
             return  # a dead producer's late answer goes nowhere
-        if effect.peer != self.consumer.identity:
-            return  # the consumer it answers is gone: its ROUTER drops the message
         if effect.ack.status is XferStatus.OK:
             self.grant_times[(effect.peer, effect.ack.transfer_id)] = self.clock.now
+        if effect.peer != self.consumer.identity:
+            return  # the consumer it answers is gone (or hostile): not followed
         self._send(TO_CONSUMER, encode_xfer_ack(effect.ack))
 
     def _deliver_to_producer(self, identity: bytes, data: bytes) -> None:
@@ -325,8 +365,9 @@ class SimECPlane(DataPlane):
         assert consumer is not None
         read = consumer.read(mm_hash)
         before = "" if read is None else read.state
+        peer = f"{self.producer.host}:{self.producer.port}"
         try:
-            consumer_engine.scheduler.on_xfer_ack(data, self.clock.now, peer="producer")
+            consumer_engine.scheduler.on_xfer_ack(data, self.clock.now, peer=peer)
         except RemoteProtocolError as exc:
             self.remote_errors.append(f"consumer: {exc}")
         if self.ack_observer is not None and read is not None:
@@ -374,18 +415,21 @@ class SimECPlane(DataPlane):
 
     # -- one engine step ---------------------------------------------------------------
 
-    def engine_step(self, engine: Engine, allocs: list[tuple[ECRequestInfo, str, int]]) -> None:
-        """Allocate, build the meta, run the worker, report back (one engine step)."""
+    def engine_step(self, engine: Engine, allocs: list[tuple[ECRequestInfo, int]]) -> None:
+        """Allocate, build the meta, run every rank's worker, deliver the rank reports
+        that are due (late, duplicated or reordered under faults), one engine step."""
         if not engine.alive:
             return
-        scheduler, worker, now = engine.scheduler, engine.worker, self.clock.now
-        for request, mm_hash, tokens in allocs:
-            scheduler.update_state_after_alloc(request, mm_hash, tokens, now)
+        scheduler, now, faults = engine.scheduler, self.clock.now, self.faults
+        for request, index in allocs:
+            scheduler.update_state_after_alloc(request, index, now)
         meta = scheduler.build_connector_meta(now)
-        worker.start_load_caches(meta, now)
-        worker.save_caches(now)
-        report = worker.build_connector_worker_meta(now)
-        for mm_hash in report.loaded + report.failed_loads:
-            engine.outstanding_loads[mm_hash] -= 1
-        scheduler.update_connector_output(report, now)
+        self.reports.planned(engine, meta)
+        for worker in engine.workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_caches(now)
+            worker.save_caches(now)
+        reports = [worker.build_connector_worker_meta(now) for worker in engine.workers]
+        self.reports.send(engine, reports, now, faults)
+        scheduler.update_connector_output(self.reports.deliver(engine, now, faults), now)
         engine.failed.extend(scheduler.take_failed_requests())

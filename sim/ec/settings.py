@@ -33,7 +33,8 @@ EPS = 1e-6
 READ_FALLBACKS = frozenset(
     {str(s) for s in NACKS - RETRYABLE_NACKS} | {"ack_timeout", "peer_disconnected", "read_failed"}
 )
-"""Why a read may fall back to local encoding (NACK_NOT_READY only once retries are spent)."""
+"""Why a read may fall back to local encoding (NACK_NOT_READY only once its retries are spent,
+by count or by time)."""
 QUARANTINE_REASONS = frozenset({"read_timeout", "peer_disconnected"})
 """Why a read may quarantine its destination."""
 
@@ -63,11 +64,18 @@ class ECSimSettings:
     producer_blocks: int = 20
     consumer_blocks: int = 12
     max_not_ready: int = 20  # consumer_max_not_ready_retries (the default is 1000)
+    max_pins_per_peer: int = 3  # producer_max_grants_per_peer (the default is 256)
+    max_pins: int = 12  # producer_max_grants (the default is 4096)
     rewrite_share: float = 0.25  # consumer legs whose media was rewritten (B-05)
     mean_interarrival_s: float = 0.25
     relay_s: tuple[float, float] = (0.0, 0.3)  # the proxy relays a publication
     max_actions: int = 40_000
     probes: int = 3
+    tp_size: int = 2  # worker ranks per engine: every load is reported by each (R-T02)
+    pcp_every: int = 4  # every 4th seed runs PCP=2 as well (0: never)
+
+    def pcp_size(self, seed: int) -> int:
+        return 2 if self.pcp_every and seed % self.pcp_every == self.pcp_every - 1 else 1
 
     @property
     def settle_span_s(self) -> float:

@@ -12,6 +12,13 @@ bugs: `tests/test_ec_simulate.py` demands each is caught within 200 seeds.
   entry, so the entry can never be evicted again (a leaked pin).
 - `no-quarantine`: the consumer frees a timed-out READ's destination at once, though the
   DMA may still land there (R-E12).
+- `unpin-on-first-report`: a load's transfer ends on the first rank's report, so its
+  entry is unpinned (and may be evicted and reused) while another rank still reads it
+  (R-T02, R-T06).
+- `ack-from-any-peer`: the consumer accepts an ack for its transfer id from whichever
+  producer sends it, so a hostile producer's forged grant is READ (S-02).
+- `size-trusted`: the consumer reserves (and evicts for) the size a publication
+  announces without checking it against the request and its layout (S-04).
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from kvhandoff.machines.ec.consumer_read import (
 )
 from kvhandoff.machines.ec.events import Discard, PeerDisconnected
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, GrantCtx, XferDone
+from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
+from kvhandoff.machines.ec.transfer import EC_TRANSFER, RankReported, TransferCtx
 from kvhandoff.machines.runtime.compiled import Route
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Emit
+from kvhandoff.protocol.ec_wire import decode_xfer_ack
 from kvhandoff.sim.ec.plane import Engine
 from kvhandoff.sim.ec.world import ECVariant, SimulatedECWorld
 
@@ -75,8 +85,54 @@ def no_quarantine(world: SimulatedECWorld, engine: Engine) -> None:
             route.action = free_at_once
 
 
+def unpin_on_first_report(world: SimulatedECWorld, engine: Engine) -> None:
+    if engine.name != "consumer":
+        return
+    machine = engine.scheduler.bus.machine(EC_TRANSFER)
+    chooser = machine.nodes["copying"].on[RankReported]
+    pending_rank = EC_TRANSFER.callbacks["pending_rank"]
+
+    def pending(ctx: TransferCtx, event: RankReported) -> bool:
+        return bool(pending_rank(ctx, event))
+
+    (_, unless, first), *rest = chooser.alternatives
+    chooser.alternatives = ((pending,), unless, first), *rest  # any rank's report lands it
+
+
+def ack_from_any_peer(world: SimulatedECWorld, engine: Engine) -> None:
+    consumer = engine.scheduler.consumer
+    if engine.name != "consumer" or consumer is None:
+        return
+    original = consumer.on_xfer_ack
+
+    def trusting(data: bytes, now: float, *, peer: str) -> None:
+        try:
+            read = consumer.read(decode_xfer_ack(data).mm_hash)
+        except Exception:
+            read = None
+        original(data, now, peer=peer if read is None else read.ctx.peer)
+
+    consumer.on_xfer_ack = trusting  # type: ignore[method-assign]
+
+
+def size_trusted(world: SimulatedECWorld, engine: Engine) -> None:
+    if engine.name != "consumer":
+        return
+    machine = engine.scheduler.bus.machine(EC_SETTLEMENT)
+    bad_size = EC_SETTLEMENT.callbacks["local_bad_size"]
+    for node in machine.nodes.values():
+        for chooser in node.on.values():
+            if chooser.alternatives:
+                chooser.alternatives = tuple(
+                    alt for alt in chooser.alternatives if alt[2].action is not bad_size
+                )
+
+
 EC_VARIANTS: dict[str, ECVariant] = {
     "not-ready-fatal": not_ready_fatal,
     "grant-never-unpinned": grant_never_unpinned,
     "no-quarantine": no_quarantine,
+    "unpin-on-first-report": unpin_on_first_report,
+    "ack-from-any-peer": ack_from_any_peer,
+    "size-trusted": size_trusted,
 }

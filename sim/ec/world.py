@@ -41,7 +41,7 @@ from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.sim.contracts import Choices, WorldOptions
-from kvhandoff.sim.ec import ending
+from kvhandoff.sim.ec import ending, hostile
 from kvhandoff.sim.ec import faults as ec_faults
 from kvhandoff.sim.ec.checks import check_evicting, check_invariants, check_read_retired
 from kvhandoff.sim.ec.plane import Engine, SimECPlane
@@ -76,6 +76,7 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
         self.reads_done: set[str] = set()
         self.outcomes: dict[str, int] = {}  # how reads ended, for coverage reports
         self.fillers = 0
+        self.hostile_serial = 0
         self.plane = SimECPlane(
             seed,
             producer_blocks=self.settings.producer_blocks,
@@ -84,11 +85,17 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
             net_delay=(0.01, 0.3),
             copy_delay=(0.0, 0.5),
             read_delay=(0.01, 1.0),
-            machine_config={"consumer_max_not_ready_retries": float(self.settings.max_not_ready)},
+            machine_config={
+                "consumer_max_not_ready_retries": float(self.settings.max_not_ready),
+                "producer_max_grants_per_peer": float(self.settings.max_pins_per_peer),
+                "producer_max_grants": float(self.settings.max_pins),
+            },
             clock=self.clock,
             rng=random.Random(self.rng.getrandbits(64)),
             eviction_observer=self._evicting,
             on_engine=self._attach,
+            tp_size=self.settings.tp_size,
+            pcp_size=self.settings.pcp_size(seed),
         )
 
     def default_settings(self) -> ECSimSettings:
@@ -126,11 +133,14 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
         params = self._encode_leg(client_id, hashes)
         rewrite = not probe and self.rng.random() < self.settings.rewrite_share
         servable = frozenset(h for h, entry in params.items() if entry.get("metadata"))
+        if not probe and self.faults.hostile and self.rng.random() < self.faults.hostile * 5:
+            hostile.inflate_sizes(self, params)
         client.request = ECRequestInfo(
             client_id,
             hashes,
             ec_transfer_params=params,
             metadata_only=servable if rewrite else frozenset(),
+            mm_tokens=tuple(self.settings.tokens(h) for h in hashes),
         )
         relay = 0.0 if probe else self.rng.uniform(*self.settings.relay_s)
         client.relay_at = self.clock.now + relay
@@ -141,9 +151,11 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
         producer = self.plane.producer
         if not producer.alive:
             return {}  # the encode leg failed: the consumer encodes locally
-        req = ECRequestInfo(f"enc-{client_id}", hashes, mm_metadata={h: META for h in hashes})
-        allocs = [(req, h, self.settings.tokens(h)) for h in hashes]
-        self.plane.engine_step(producer, allocs)
+        tokens = tuple(self.settings.tokens(h) for h in hashes)
+        req = ECRequestInfo(
+            f"enc-{client_id}", hashes, mm_metadata={h: META for h in hashes}, mm_tokens=tokens
+        )
+        self.plane.engine_step(producer, [(req, index) for index in range(len(hashes))])
         return producer.scheduler.request_finished(req, self.clock.now)
 
     # -- engine steps -------------------------------------------------------------------------
@@ -153,7 +165,7 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
         if not consumer.alive:
             return
         scheduler, now = consumer.scheduler, self.clock.now
-        allocs: list[tuple[ECRequestInfo, str, int]] = []
+        allocs: list[tuple[ECRequestInfo, int]] = []
         finished: list[ECRequestInfo] = []
         for client in self.waiting():
             req = client.request
@@ -161,10 +173,10 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
             if client.phase is Phase.RELAYING:
                 client.phase = Phase.WAITING
                 client.consumer_epoch = consumer.epoch
-            if scheduler.ensure_cache_available(req, now):
-                for h in req.mm_hashes:
+            if scheduler.ensure_cache_available(req, 0, now):
+                for index, h in enumerate(req.mm_hashes):
                     if scheduler.has_cache_item(h):
-                        allocs.append((req, h, self.settings.tokens(h)))
+                        allocs.append((req, index))
                 finished.append(req)
                 self.resolve(client, Phase.COMPLETED)
                 continue
@@ -205,9 +217,14 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
 
     def due_actions(self, choices: Choices, now: float) -> None:
         plane, rng = self.plane, self.rng
-        consumer_busy = bool(self.waiting()) or plane.consumer.worker.in_flight() > 0
+        consumer, producer = plane.consumer, plane.producer
+        consumer_busy = (
+            bool(self.waiting())
+            or consumer.copies_in_flight() > 0
+            or bool(consumer.reports_in_transit)
+        )
         choices.append((3.0 if consumer_busy else 0.3, self.consumer_step))
-        producer_busy = plane.producer.worker.in_flight() > 0
+        producer_busy = producer.copies_in_flight() > 0 or bool(producer.reports_in_transit)
         choices.append((3.0 if producer_busy else 0.3, self.producer_step))
         choices.append((2.0, lambda: plane.advance(rng.expovariate(20.0))))
         if not consumer_busy and not producer_busy:
@@ -215,9 +232,9 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
 
     def event_times(self) -> list[float]:
         times = [c.relay_at for c in self.clients.values() if c.phase is Phase.RELAYING]
-        when = self.plane.next_event()
-        if when is not None:
-            times.append(when)
+        for when in (self.plane.next_event(), self.plane.next_report()):
+            if when is not None:
+                times.append(when)
         return times
 
     def advance_to(self, when: float) -> None:
@@ -246,6 +263,10 @@ class SimulatedECWorld(SeededWorld[ECSimSettings, ECClient, ECVariant]):
         rate = self.faults.eviction_pressure
         if rate and self.rng.random() < rate:
             ec_faults.eviction_pressure(self)
+            return True
+        rate = self.faults.hostile
+        if rate and self.rng.random() < rate:
+            hostile.act(self)
             return True
         return False
 

@@ -1,11 +1,11 @@
 """The invariants of a simulated push run, checked as they happen and at its end
 (deterministic simulation only).
 
-`RunChecks` is mixed into `SimulatedPushWorld`: the fabric reports every notif sent,
-WRITE posted and WRITE landed (`SimObserver`), and each is checked against the ledger
-and the engines' block pools at that moment; at the end of a run it tells the shared
-`final_check` what must be empty (every lease freed exactly once, every registration
-ended, every table empty) and what the run counted.
+`RunChecks` is mixed into `SimulatedPushWorld`: the fabric reports every notif sent and
+delivered, WRITE posted and WRITE landed (`SimObserver`), and each is checked against the
+ledger and the engines' block pools at that moment; at the end of a run it tells the
+shared `final_check` what must be empty (every lease freed exactly once, every
+registration ended, every table empty) and what the run counted.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import ClassVar
 
+import msgspec
+
 from kvhandoff.machines.push.p_lease import P_LEASE
+from kvhandoff.machines.push.p_request import P_REQUEST
+from kvhandoff.protocol.auth import AUTH_PREFIX
 from kvhandoff.protocol.blocks import expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.notifs import decode_completion_notif
@@ -23,6 +27,17 @@ from kvhandoff.sim.push.fabric import SimNetwork, SimTransfer
 from kvhandoff.sim.push.ledger import ClientRecord, SimLedger
 from kvhandoff.sim.push.memory import physical_ids
 from kvhandoff.sim.push.settings import SimSettings
+
+
+def unsealed(message: bytes) -> bytes:
+    """The notif inside a sealed one (the simulator reads it without the key)."""
+    if not message.startswith(AUTH_PREFIX):
+        return message
+    try:
+        _sender, inner, _tag = msgspec.msgpack.decode(message[len(AUTH_PREFIX) :])
+    except (msgspec.MsgspecError, ValueError, TypeError):
+        return b""
+    return inner if isinstance(inner, bytes) else b""
 
 
 class RunChecks:
@@ -37,8 +52,22 @@ class RunChecks:
     engines: tuple[SimEngine, SimEngine]
 
     hang_tables: ClassVar[frozenset[str]] = frozenset(
-        {"live_d_registrations", "live_p_leases", "engine_requests"}
+        {
+            "live_push.d_request",
+            "live_push.p_request",
+            "live_push.d_registration",
+            "live_push.p_lease",
+            "engine_requests",
+        }
     )
+
+    actions: int
+
+    def check_invariants(self) -> None:
+        """Every 64 actions: nothing is held past every deadline (a hang a later crash
+        would hide)."""
+        if self.actions % 64 == 0:
+            self.ledger.check_overdue(self.settings.hang_bound_s)
 
     def leftovers(self) -> dict[str, dict[str, int]]:
         leftovers: dict[str, dict[str, int]] = {e.role: e.leftovers() for e in self.engines}
@@ -48,10 +77,11 @@ class RunChecks:
         return leftovers
 
     def leaked_by(self, client: ClientRecord) -> int:
-        """A P lease that ended without freeing its blocks leaks them."""
-        lease_gone = client.p_id is not None and not self.prefill.side.bus.get(P_LEASE, client.p_id)
-        if client.p == "leased" and lease_gone:
-            self.ledger.violation(f"P lease {client.p_id!r} ended but was never freed")
+        """A P request that ended without freeing its blocks leaks them."""
+        p_id = client.p_id
+        scheduler = self.prefill.side.scheduler.bus
+        if client.p == "leased" and p_id is not None and scheduler.get(P_REQUEST, p_id) is None:
+            self.ledger.violation(f"P request {p_id!r} ended but was never freed")
             return 1
         return 0
 
@@ -64,18 +94,30 @@ class RunChecks:
     def counters(self) -> dict[str, int]:
         counters = dict(self.network.counters)
         for engine in self.engines:
-            counters[f"{engine.role}.rejected_notifs"] = (
-                engine.side.writer.rejected_notifs + engine.side.worker.rejected_notifs
-            )
+            counters[f"{engine.role}.rejected_notifs"] = engine.side.rejected_notifs()
+            for cause, count in engine.side.stats().items():
+                if count:
+                    counters[f"{engine.role}.{cause}"] = count
         counters["late_writes"] = self.ledger.late_writes
+        counters["retries"] = self.ledger.retries
         return counters
 
     # -- what the fabric tells us (SimObserver) ------------------------------------------------
 
     def notif_sent(self, src_engine: str, dst_engine: str, message: bytes) -> None:
+        message = unsealed(message)
         if src_engine == self.decode.engine_id and message.startswith(PUSH_REG_PREFIX):
             reg = decode_push_reg(message)
             self.ledger.reg_sent(reg.request_id, reg.block_ids)
+
+    def notif_delivered(self, dst_agent: str, message: bytes) -> None:
+        message = unsealed(message)
+        if dst_agent in self.prefill.agents() and message.startswith(PUSH_REG_PREFIX):
+            try:
+                reg = decode_push_reg(message)
+            except KvHandoffError:
+                return
+            self.ledger.reg_delivered(dst_agent, reg.request_id, reg.decode_tp_rank)
 
     def write_posted(self, transfer: SimTransfer) -> None:
         """A WRITE needs both a live lease on the blocks and D's registration of its target."""
@@ -85,7 +127,7 @@ class RunChecks:
             ledger.violation(f"WRITE from {transfer.src_engine} to {transfer.dst_engine}")
             return
         try:
-            d_id = decode_completion_notif(transfer.notif).request_id
+            d_id = decode_completion_notif(unsealed(transfer.notif)).request_id
         except KvHandoffError as exc:
             ledger.violation(f"WRITE with a bad completion notif: {exc}")
             return
@@ -96,10 +138,13 @@ class RunChecks:
         if p_id is None or held is None:
             ledger.violation(f"WRITE for {d_id!r} from P blocks no single request holds")
             return
-        if prefill.side.bus.get(P_LEASE, p_id) is None:
-            ledger.violation(f"WRITE for {p_id!r} after its lease ended")
-        if tuple(physical_ids(prefill.transport, held.blocks)) != transfer.local_ids:
-            ledger.violation(f"WRITE for {p_id!r} reads blocks other than its lease's")
+        rank = next(r for r in prefill.side.ranks if r.transport.agent_name == transfer.src_agent)
+        if rank.bus.get(P_LEASE, p_id) is None:
+            ledger.violation(f"WRITE for {p_id!r} after rank {rank.rank}'s lease ended")
+        physical = physical_ids(prefill.transports[0], held.blocks)
+        tail = tuple(physical[len(physical) - len(transfer.local_ids) :])
+        if tail != transfer.local_ids:
+            ledger.violation(f"WRITE for {p_id!r} reads blocks other than its lease's tail")
         record = ledger.of(d_id)
         if record is None or record.d_id != d_id or record.p_id != p_id:
             ledger.violation(f"WRITE pairs P {p_id!r} with D {d_id!r}: not one client request")
@@ -118,7 +163,7 @@ class RunChecks:
         ledger = self.ledger
         ratio = self.settings.ratio
         try:
-            d_id = decode_completion_notif(transfer.notif).request_id
+            d_id = decode_completion_notif(unsealed(transfer.notif)).request_id
         except KvHandoffError:
             return  # already reported when posted
         record = ledger.of(d_id)

@@ -1,14 +1,14 @@
 """An engine-like step loop around one simulated `PushSide` (deterministic simulation only).
 
-`SimEngine` mirrors `kvhandoff.demo.push_role` over the in-memory fabric: D allocates
-blocks and calls `update_state_after_alloc` with the decode leg's transfer params
-(R-P01, R-P02); P "prefills" (fills each request's blocks with a pattern) and calls
-`request_finished` (R-P03); both then step `build_connector_meta` -> `start_load_kv` ->
-`get_finished` -> `update_connector_output`, all through the `PushSide`, which reads the
-world's virtual clock. The writer
-thread and the handshake executor are actors too: `writer_pass` is one pass of the
-writer loop, `run_job` runs one queued handshake. What ordering they run in is the
-simulator's choice, never this module's.
+`SimEngine` mirrors `kvhandoff.demo.push_role` over the in-memory fabric, with every TP/PP
+rank of the engine (one `SimPushTransport` each, R-T03, R-T04): D allocates blocks,
+finds part of some prefixes cached (R-T05) and calls `update_state_after_alloc` with the
+decode leg's transfer params and the blocks it lacks (R-P01, R-P02); P "prefills" (fills
+each request's blocks with a pattern, each rank its slice) and calls `request_finished`
+(R-P03); both then step the scheduler and every rank through the `PushSide`, which reads
+the world's virtual clock. Each rank's writer thread and the handshake executor are actors
+too: `writer_pass(rank)` is one pass of that rank's writer loop, `run_job` runs one queued
+handshake. What ordering they run in is the simulator's choice, never this module's.
 
 Every outcome is reported to the world's `SimLedger`, which checks the invariants.
 Request ids look like the real system's: the client id `cmpl-<n>-<i>` with a random
@@ -22,13 +22,18 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.adapters.push_side import PushSide
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.handshake import HANDSHAKE
-from kvhandoff.machines.push.p_lease import P_LEASE
-from kvhandoff.machines.push.scheduler import LocalEngine, PushConnectorOutput, Role
+from kvhandoff.machines.push.d_request import D_REQUEST
+from kvhandoff.machines.push.effects import DroppedRegistration
+from kvhandoff.machines.push.match import MATCH
+from kvhandoff.machines.push.meta import PushConnectorOutput
+from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
+from kvhandoff.machines.push.scheduler import SCHEDULER_KINDS, LocalEngine, Role
+from kvhandoff.machines.push.worker import RANK_KINDS
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.events import Event
+from kvhandoff.protocol.handshake import encode_engine_handshake
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg, prefill_leg
 from kvhandoff.sim.push.executor import SimHandshakeExecutor
 from kvhandoff.sim.push.memory import (
@@ -46,17 +51,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """One leg of a client request, reaching this engine at `at`."""
+    """One leg of a client request's attempt, reaching this engine at `at`."""
 
+    key: str  # the attempt's ledger key
     client_id: str
     num_blocks: int
+    cached: int
     at: float
 
 
 @dataclass(frozen=True, slots=True)
 class HeldRequest:
+    key: str
     client_id: str
-    blocks: tuple[int, ...]  # logical block ids
+    blocks: tuple[int, ...]  # logical block ids, the cached prefix first
 
 
 def random_suffix(rng: random.Random) -> str:
@@ -64,7 +72,7 @@ def random_suffix(rng: random.Random) -> str:
 
 
 class SimEngine:
-    """One engine process (P or D) on the fabric: it can crash and be restarted."""
+    """One engine (P or D, every rank) on the fabric: it can crash and be restarted."""
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class SimEngine:
         self.host = host
         self.port = port
         self.members = members
+        self.config = world.config_of(role)
         self.generation = 0
         self.alive = False
         self.boot()
@@ -88,61 +97,100 @@ class SimEngine:
     # -- process lifecycle -----------------------------------------------------------
 
     def boot(self) -> None:
-        """Start (or restart) the process: a new agent, new memory, empty tables."""
+        """Start (or restart) the process: new agents, new memory, empty tables."""
         world = self.world
+        cfg = self.config
         self.generation += 1
-        self.transport = SimPushTransport(
-            world.network,
-            self.engine_id,
-            [(m,) for m in self.members],
-            num_blocks=world.settings.capacity * world.settings.ratio,
-            block_len=world.settings.block_len,
-            compatibility_hash=world.compatibility_hash,
-            is_decoder=self.role == "decode",
-            physical_blocks_per_logical=world.settings.ratio,
-        )
-        self.transport.serve(self.host, self.port)
+        self.transports = [self._transport(rank) for rank in range(cfg.world_size)]
         self.executor = SimHandshakeExecutor(world.network)
         self.side = PushSide(
             self.role,
             LocalEngine(self.engine_id, self.host, self.port),
-            self.transport,
+            self.transports,
             self.executor.submit,
-            config=world.settings.push,
+            config=cfg,
             clock=world.clock,
             physical_blocks_per_logical=world.settings.ratio,
         )
-        self.side.bus.on_retire(self._on_retire)
-        self.side.bus.on_error = self._on_bus_error
-        self.side.writer_bus.on_error = self._on_bus_error
+        world.network.serve(
+            self.engine_id,
+            self.host,
+            self.port,
+            lambda: encode_engine_handshake(self.side.handshake()),
+        )
+        self.side.scheduler.bus.on_retire(self._on_retire)
+        for bus in self._buses():
+            bus.on_error = self._on_bus_error
+        for rank in self.side.ranks:
+            rank.dropped_observers.append(self._dropped_observer(rank))
         self.pool = SimBlockPool(world.settings.capacity, world.rng)
         self.arrivals: deque[Arrival] = deque()
         self.requests: dict[str, HeldRequest] = {}
         self.retired: list[tuple[str, str, bool]] = []  # (key, state, unreported)
-        self.last_writer_pass = world.clock.now
+        self.last_writer_pass = [world.clock.now] * cfg.world_size
         self.dirty = False
         self.alive = True
         if world.recording:
-            self.side.bus.record(world.sink(f"{self.role}.main"))
-            self.side.writer_bus.record(world.sink(f"{self.role}.writer"))
+            self.side.scheduler.bus.record(world.sink(f"{self.role}.scheduler"))
+            for rank in self.side.ranks:
+                rank.bus.record(world.sink(f"{self.role}{rank.rank}.main"))
+                rank.writer_bus.record(world.sink(f"{self.role}{rank.rank}.writer"))
         world.apply_variant(self)
 
+    def _transport(self, rank: int) -> SimPushTransport:
+        world, cfg = self.world, self.config
+        pp_rank, tp_rank = divmod(rank, cfg.tp_size)
+        per_stage = len(self.members) // cfg.pp_size
+        owned = self.members[pp_rank * per_stage : (pp_rank + 1) * per_stage]
+        return SimPushTransport(
+            world.network,
+            self.engine_id,
+            [(m,) for m in owned],
+            num_blocks=world.settings.capacity * world.settings.ratio,
+            block_len=world.settings.block_len // cfg.tp_size,
+            compatibility_hash=world.compatibility_hash,
+            tp_size=cfg.tp_size,
+            tp_rank=tp_rank,
+            pp_size=cfg.pp_size,
+            pp_rank=pp_rank,
+            is_decoder=self.role == "decode",
+            physical_blocks_per_logical=world.settings.ratio,
+        )
+
+    def _buses(self) -> list[Any]:
+        side = self.side
+        return [
+            side.scheduler.bus,
+            *(r.bus for r in side.ranks),
+            *(r.writer_bus for r in side.ranks),
+        ]
+
+    def _dropped_observer(self, rank: PushRank) -> Any:
+        agent = rank.transport.agent_name
+        ledger = self.world.ledger
+
+        def observe(effect: DroppedRegistration) -> None:
+            if effect.reason == "duplicate":
+                ledger.dropped_as_duplicate(agent, effect.d_request_id, effect.d_rank)
+
+        return observe
+
     def crash(self) -> None:
-        """The process dies: its agent leaves the fabric, its requests are lost (the world
+        """The process dies: its agents leave the fabric, its requests are lost (the world
         restarts it when its downtime is over)."""
         world = self.world
         world.network.crash(self.engine_id)
         self.executor.discard()
         for held in self.requests.values():
-            world.ledger.lost(held.client_id, self.role)
+            world.ledger.lost(held.key, self.role)
         for arrival in self.arrivals:
-            world.ledger.lost(arrival.client_id, self.role)
+            world.ledger.lost(arrival.key, self.role)
         self.requests.clear()
         self.arrivals.clear()
         self.alive = False
 
     def _on_retire(self, inst: Instance[Any]) -> None:
-        if inst.machine.decl is D_REGISTRATION:
+        if inst.machine.decl is D_REQUEST:
             self.retired.append((str(inst.key), inst.state, inst.has("unreported")))
 
     def _on_bus_error(self, inst: Instance[Any], event: Event, exc: BaseException) -> None:
@@ -150,6 +198,9 @@ class SimEngine:
             f"{self.role} bus: {inst.kind} {inst.key!r} in {inst.state}: "
             f"{event.trigger!r} failed: {exc}"
         )
+
+    def agents(self) -> set[str]:
+        return {t.agent_name for t in self.transports}
 
     # -- what the scheduler may run ------------------------------------------------------
 
@@ -164,12 +215,16 @@ class SimEngine:
         if not self.alive:
             return False
         now = self.world.clock.now
-        if self.dirty or self.side.pending_completion_notifs:
+        side = self.side
+        if self.dirty or any(r.pending_completion_notifs for r in side.ranks):
             return True
         if self.arrivals and self.arrivals[0].at <= now:
             return True
-        deadline = self.side.bus.next_deadline()
-        if deadline is not None and deadline <= now:
+        deadlines = [
+            side.scheduler.bus.next_deadline(),
+            *(r.bus.next_deadline() for r in side.ranks),
+        ]
+        if any(d is not None and d <= now for d in deadlines):
             return True
         heartbeat = self._next_heartbeat()
         return heartbeat is not None and heartbeat <= now
@@ -178,45 +233,49 @@ class SimEngine:
         """D: when the next step sends heartbeats (R-P15), if any lease needs them."""
         if self.role != "decode" or not self.side.scheduler.has_pending_push_work():
             return None
-        return self.side.worker.next_heartbeat
+        return self.side.scheduler.next_heartbeat
 
-    def writer_due(self) -> bool:
+    def writer_due(self, rank: int) -> bool:
         if not self.alive:
             return False
-        if self.side.wake.is_set():
+        if self.side.ranks[rank].wake.is_set():
             return True
-        return self.world.clock.now >= self.next_writer_pass()
+        return self.world.clock.now >= self.next_writer_pass(rank)
 
-    def next_writer_pass(self) -> float:
-        """When the writer thread wakes by itself: self-poll interval or idle timeout.
+    def next_writer_pass(self, rank: int) -> float:
+        """When the rank's writer thread wakes by itself: self-poll interval or idle timeout.
 
-        A pass that could find nothing to do (no notif waiting, no pending registration to
-        expire, no handshake timer) is skipped: it changes nothing, and skipping it lets
-        the simulator jump the clock straight to the next real event. So a self-polling
-        writer (R-P07) passes 1 ms after a notif reaches its agent, not every 1 ms.
+        A pass that could find nothing to do (no notif waiting, no timer of the writer's
+        machines) is skipped: it changes nothing, and skipping it lets the simulator jump
+        the clock straight to the next real event. So a self-polling writer (R-P07) passes
+        1 ms after a notif reaches its agent, not every 1 ms.
         """
-        interval = self.side.self_poll_interval_s
-        if interval is not None and self.transport.inbox:
-            return self.last_writer_pass + interval
-        side = self.side
-        idle_work = (
-            side.writer.pending_d_registrations
-            or side.writer_bus.next_deadline() is not None
-            or self.transport.inbox
-        )
-        if not idle_work:
+        side = self.side.ranks[rank]
+        inbox = self.transports[rank].inbox
+        interval = side.self_poll_interval_s
+        last = self.last_writer_pass[rank]
+        if interval is not None and inbox:
+            return last + interval
+        deadline = side.writer_bus.next_deadline()
+        if not inbox and deadline is None:
             return float("inf")
-        return self.last_writer_pass + self.world.settings.idle_timeout_s
+        due = last + self.world.settings.idle_timeout_s
+        if not inbox and deadline is not None:
+            due = max(due, deadline)
+        return due
 
     def next_event(self) -> float | None:
         """The earliest time something happens here without outside input."""
         if not self.alive:
             return None
-        # The writer bus's timers fire in writer passes, which the first entry covers.
-        times = [t for t in (self.next_writer_pass(),) if t != float("inf")]
-        deadline = self.side.bus.next_deadline()
-        if deadline is not None:
-            times.append(deadline)
+        times = [
+            t for t in map(self.next_writer_pass, range(len(self.transports))) if t != float("inf")
+        ]
+        side = self.side
+        for bus in (side.scheduler.bus, *(r.bus for r in side.ranks)):
+            deadline = bus.next_deadline()
+            if deadline is not None:
+                times.append(deadline)
         ready = self.executor.next_ready()
         if ready is not None:
             times.append(ready)
@@ -229,16 +288,17 @@ class SimEngine:
 
     # -- actors ------------------------------------------------------------------------
 
-    def writer_pass(self) -> None:
-        """One pass of the `kvhandoff-push-writer` loop: clear the wake, drain, execute."""
-        self.side.wake.clear()
-        self.last_writer_pass = self.world.clock.now
-        before = len(self.side.pending_completion_notifs)
+    def writer_pass(self, rank: int) -> None:
+        """One pass of a rank's `kvhandoff-push-writer` loop: clear the wake, drain, execute."""
+        side = self.side.ranks[rank]
+        side.wake.clear()
+        self.last_writer_pass[rank] = self.world.clock.now
+        before = len(side.pending_completion_notifs)
         try:
-            self.side.writer_pass()
+            side.writer_pass()
         except Exception as exc:  # the real thread logs and keeps running
-            self.world.ledger.violation(f"{self.role} writer pass raised {exc!r}")
-        if len(self.side.pending_completion_notifs) != before:
+            self.world.ledger.violation(f"{self.role} rank {rank} writer pass raised {exc!r}")
+        if len(side.pending_completion_notifs) != before:
             self.dirty = True
 
     def run_job(self, index: int | None = None) -> None:
@@ -274,30 +334,36 @@ class SimEngine:
             if blocks is None:
                 return  # out of KV blocks: the request waits, as in an engine
             self.arrivals.popleft()
-            self.requests[request_id] = HeldRequest(arrival.client_id, tuple(blocks))
+            self.requests[request_id] = HeldRequest(arrival.key, arrival.client_id, tuple(blocks))
             if self.role == "prefill":
-                self._prefill(arrival.client_id, request_id, blocks)
+                self._prefill(arrival, request_id, blocks)
             else:
-                self._register(arrival.client_id, request_id, blocks)
+                self._register(arrival, request_id, blocks)
 
-    def _prefill(self, client_id: str, request_id: str, blocks: list[int]) -> None:
-        fill_pattern(self.transport, client_id, blocks)
-        self.world.ledger.leased(client_id, request_id)
-        leg = prefill_leg({"request_id": client_id})
+    def _prefill(self, arrival: Arrival, request_id: str, blocks: list[int]) -> None:
+        for transport in self.transports:
+            fill_pattern(transport, arrival.client_id, blocks)
+        self.world.ledger.leased(arrival.key, request_id)
+        leg = prefill_leg({"request_id": arrival.client_id})
         self.side.request_finished(request_id, blocks, leg["kv_transfer_params"])
 
-    def _register(self, client_id: str, request_id: str, blocks: list[int]) -> None:
-        fill_constant(self.transport, blocks, 0)
+    def _register(self, arrival: Arrival, request_id: str, blocks: list[int]) -> None:
+        cached, lacking = blocks[: arrival.cached], blocks[arrival.cached :]
+        for transport in self.transports:
+            fill_pattern(transport, arrival.client_id, cached)  # a prefix cache hit (R-T05)
+            fill_constant(transport, lacking, 0)
         prefill = self.world.prefill
-        coords = PrefillCoordinates(prefill.engine_id, prefill.host, prefill.port, 1)
-        leg = decode_leg({"request_id": client_id}, coords)
-        self.world.ledger.registered(client_id, request_id, tuple(blocks))
-        self.side.update_state_after_alloc(request_id, blocks, leg["kv_transfer_params"])
+        topo = self.world.topology
+        coords = PrefillCoordinates(
+            prefill.engine_id, prefill.host, prefill.port, topo.p_tp, topo.p_pp
+        )
+        leg = decode_leg({"request_id": arrival.client_id}, coords)
+        self.world.ledger.registered(arrival.key, request_id, tuple(blocks))
+        self.side.update_state_after_alloc(request_id, lacking, leg["kv_transfer_params"])
 
     def abort(self, request_id: str) -> None:
         """D's engine aborts a request (the client went away): the abort path. What the
-        side reported meanwhile (the writer's items it took first) reaches the engine with
-        the next step's output, like any report."""
+        side reported meanwhile reaches the engine with the next step's output."""
         self.side.abort(request_id)
         self._account_retired(reported_too=False)
 
@@ -311,7 +377,8 @@ class SimEngine:
             if held is None:
                 continue
             self.pool.release(held.blocks, request_id)
-            fill_constant(self.transport, held.blocks, SCRIBBLE)  # freed memory gets reused
+            for transport in self.transports:  # freed memory gets reused
+                fill_constant(transport, held.blocks, SCRIBBLE)
         if output.finished_recving or output.failed_recving:
             ledger.violation("P reported receives")
 
@@ -324,7 +391,7 @@ class SimEngine:
             if held is None:
                 ledger.violation(f"finished_recving for {request_id!r}, which D does not hold")
                 continue
-            if not pattern_ok(self.transport, held.client_id, held.blocks):
+            if not all(pattern_ok(t, held.client_id, held.blocks) for t in self.transports):
                 ledger.violation(f"{request_id!r} received bytes that are not P's pattern")
             ledger.d_outcome(request_id, "received")
             self.pool.release(held.blocks, request_id)
@@ -333,15 +400,20 @@ class SimEngine:
             if held is None:
                 ledger.violation(f"failed_recving for {request_id!r}, which D does not hold")
                 continue
-            if not set(held.blocks) <= output.invalid_block_ids:
+            lacking = set(held.blocks) - set(held.blocks[: self._cached(held)])
+            if not lacking <= output.invalid_block_ids:
                 ledger.violation(f"{request_id!r} failed without marking its blocks invalid")
             ledger.d_outcome(request_id, "failed")
+            self.world.failed(held.key)
             self._quarantine(request_id, held)
         self._account_retired(reported_too=True)
 
+    def _cached(self, held: HeldRequest) -> int:
+        return self.world.ledger.clients[held.key].cached
+
     def _account_retired(self, *, reported_too: bool) -> None:
-        """Registrations that ended: the unreported ones (expired, aborted) the engine's
-        abort path fails; the reported ones must have been in this step's output."""
+        """Requests that ended: the unreported ones (expired, aborted) the engine's abort
+        path fails; the reported ones must have been in this step's output."""
         ledger = self.world.ledger
         retired, self.retired = self.retired, []
         for request_id, state, unreported in retired:
@@ -356,7 +428,7 @@ class SimEngine:
                 ledger.d_outcome(request_id, state)
                 self._quarantine(request_id, held)
             else:
-                ledger.violation(f"D registration {request_id!r} ended {state} unreported")
+                ledger.violation(f"D request {request_id!r} ended {state} unreported")
                 self.requests[request_id] = held
 
     def _quarantine(self, request_id: str, held: HeldRequest) -> None:
@@ -366,31 +438,28 @@ class SimEngine:
     # -- end-of-run inspection ------------------------------------------------------------
 
     def leftovers(self) -> dict[str, int]:
-        """Every table that must be empty once all deadlines passed, with its size."""
-        side, writer = self.side, self.side.writer
-        deferred = sum(len(inst.ctx.deferred) for inst in side.writer_bus.instances(HANDSHAKE))
-        tables: dict[str, Any] = {
-            "push_finished_blocks": writer.push_finished_blocks,
-            "pending_d_registrations": writer.pending_d_registrations,
-            "finished_by_base": writer._finished_by_base,
-            "pending_by_base": writer._pending_by_base,
-            "pending_since": writer._pending_since,
-            "reg_send_inbox": side.reg_send_inbox,
-            "finished_blocks_inbox": side.finished_blocks_inbox,
-            "deferred_push_inbox": side.deferred_push_inbox,
-            "evict_finished_inbox": side.evict_finished_inbox,
-            "handshake_results": side.handshake_results,
-            "peer_lost_inbox": side.peer_lost_inbox,
-            "rehandshaked": side._rehandshaked,
-            "pending_senders": writer._pending_senders,
-            "pending_completion_notifs": side.pending_completion_notifs,
-            "sending_transfers": side._sending_transfers,
-            "posted_transfers": side._posted_transfers,
-            "engine_requests": self.requests,
-            "owned_blocks": self.pool.owner,
+        """Every table that must be empty once all deadlines passed, with its size
+        (summed over the ranks)."""
+        sizes: dict[str, int] = {
+            "engine_requests": len(self.requests),
+            "owned_blocks": len(self.pool.owner),
         }
-        sizes = {name: len(table) for name, table in tables.items()}
-        sizes["handshake_deferred"] = deferred
-        sizes["live_d_registrations"] = side.bus.live(D_REGISTRATION)
-        sizes["live_p_leases"] = side.bus.live(P_LEASE)
+        scheduler = self.side.scheduler.bus
+        for kind in SCHEDULER_KINDS:
+            sizes[f"live_{kind.name}"] = scheduler.live(kind)
+        for rank in self.side.ranks:
+            tables: dict[str, int] = {
+                "writer_inbox": len(rank.writer_inbox),
+                "handshake_results": len(rank.handshake_results),
+                "peer_lost_inbox": len(rank.peer_lost_inbox),
+                "pending_completion_notifs": len(rank.pending_completion_notifs),
+                "posted_transfers": len(rank.posted_transfers),
+                "sending_transfers": len(rank.sending_transfers),
+                "pending_by_peer": len(rank.writer.pending_by_peer),
+                "match_slots": rank.writer_bus.live(MATCH),
+                "remote_engines": rank.writer_bus.live(REMOTE_ENGINE),
+                **{f"live_{kind.name}": rank.bus.live(kind) for kind in RANK_KINDS},
+            }
+            for name, size in tables.items():
+                sizes[name] = sizes.get(name, 0) + size
         return {name: size for name, size in sizes.items() if size}

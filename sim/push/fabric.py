@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from kvhandoff.adapters.push_transport import XferState
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.errors import LocalProtocolError
-from kvhandoff.protocol.handshake import encode_handshake
+from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 from kvhandoff.sim.faults import SimFaults
 from kvhandoff.sim.push.errors import SimTransportError
 
@@ -64,6 +65,8 @@ class SimTransfer:
     remote_ids: tuple[int, ...]
     pairs: tuple[tuple[int, int], ...]  # (local allocation, remote region) per member
     notif: bytes
+    local_chunk: Chunk = WHOLE
+    remote_chunk: Chunk = WHOLE
     xfer_status: XferState = "PROC"
     released: bool = False
     fail_on_delivery: bool = False
@@ -95,6 +98,8 @@ class SimObserver(Protocol):
 
     def notif_sent(self, src_engine: str, dst_engine: str, message: bytes) -> None: ...
 
+    def notif_delivered(self, dst_agent: str, message: bytes) -> None: ...
+
     def write_posted(self, transfer: SimTransfer) -> None: ...
 
     def write_landed(self, transfer: SimTransfer) -> None: ...
@@ -124,7 +129,8 @@ class SimNetwork:
         self.stall_s = stall_s
         self.observer: SimObserver | None = None
         self.agents: dict[str, SimPushTransport] = {}  # agent name -> live transport
-        self.endpoints: dict[tuple[str, int], str] = {}  # side channel -> agent name
+        # side channel -> (engine id, what it serves: the encoded engine handshake)
+        self.endpoints: dict[tuple[str, int], tuple[str, Callable[[], bytes]]] = {}
         self.in_flight: list[SimMessage] = []
         self.partitions: set[frozenset[str]] = set()
         self.counters: dict[str, int] = {}
@@ -149,16 +155,17 @@ class SimNetwork:
             raise LocalProtocolError(f"agent {transport.agent_name!r} is already attached")
         self.agents[transport.agent_name] = transport
 
-    def serve(self, transport: SimPushTransport, host: str, port: int) -> None:
-        """Answer side-channel fetches at host:port with `transport`'s payload."""
-        self.endpoints[(host, port)] = transport.agent_name
+    def serve(self, engine_id: str, host: str, port: int, provider: Callable[[], bytes]) -> None:
+        """Answer side-channel fetches at host:port with what `provider` returns (the
+        engine's encoded `EngineHandshake`)."""
+        self.endpoints[(host, port)] = (engine_id, provider)
 
     def crash(self, engine_id: str) -> list[str]:
         """The engine's agents disappear: their messages are lost, transfers to them fail."""
         gone = [name for name, t in self.agents.items() if t.engine_id == engine_id]
         for name in gone:
             self.agents.pop(name).alive = False
-        self.endpoints = {ep: a for ep, a in self.endpoints.items() if a not in gone}
+        self.endpoints = {ep: v for ep, v in self.endpoints.items() if v[0] != engine_id}
         kept: list[SimMessage] = []
         for msg in self.in_flight:
             if msg.src_agent in gone or msg.dst_agent in gone:
@@ -206,13 +213,13 @@ class SimNetwork:
             raise SimTransportError(f"injected handshake failure at {host}:{port}")
         if self.roll("handshake_fail"):
             raise SimTransportError(f"injected handshake failure at {host}:{port}")
-        agent = self.endpoints.get((host, port))
-        if agent is None or agent not in self.agents:
+        served = self.endpoints.get((host, port))
+        if served is None:
             raise SimTransportError(f"no side channel answers at {host}:{port}")
-        target = self.agents[agent]
-        if self.partitioned(requester_engine, target.engine_id):
+        engine_id, provider = served
+        if self.partitioned(requester_engine, engine_id):
             raise SimTransportError(f"{host}:{port} is unreachable (partition)")
-        return encode_handshake(target.handshake_payload())
+        return provider()
 
     # -- posting --------------------------------------------------------------------------
 
@@ -281,6 +288,26 @@ class SimNetwork:
     def _enqueue(self, msg: SimMessage) -> None:
         self.in_flight.append(msg)
 
+    def inject_notif(self, claimed_agent: str, dst_agent: str, message: bytes) -> bool:
+        """A process outside the simulated engines sends `message` to `dst_agent`, naming
+        itself `claimed_agent` (NIXL sender names are self-declared, S-05)."""
+        if dst_agent not in self.agents:
+            return False
+        self._count("injected_notif")
+        self._enqueue(
+            SimMessage(
+                next(self._seq),
+                "notif",
+                "rogue",
+                claimed_agent,
+                self.agents[dst_agent].engine_id,
+                dst_agent,
+                self.clock.now + self._latency(),
+                payload=bytes(message),
+            )
+        )
+        return True
+
     def cancel(self, transfer: SimTransfer) -> None:
         self.in_flight = [m for m in self.in_flight if m.transfer is not transfer]
 
@@ -344,6 +371,8 @@ class SimNetwork:
             self._count("lost")
             return
         dst.inbox.append((msg.src_agent, msg.payload))
+        if self.observer is not None:
+            self.observer.notif_delivered(msg.dst_agent, msg.payload)
         if self.roll("duplicate"):
             self._enqueue(
                 replace(msg, seq=next(self._seq), deliver_at=self.clock.now + self._latency())
@@ -383,7 +412,8 @@ class SimNetwork:
 def _land(
     initiator: SimPushTransport, peer: SimPushTransport, transfer: SimTransfer, *, partial: bool
 ) -> None:
-    """Copy a transfer's bytes, member by member (only the first half on an error)."""
+    """Copy a transfer's bytes, member by member and chunk by chunk (only the first half
+    on an error)."""
     items = [
         (local_alloc, remote_region, lid, rid)
         for local_alloc, remote_region in transfer.pairs
@@ -391,8 +421,10 @@ def _land(
     ]
     if partial:
         items = items[: len(items) // 2]
+    lc, rc = transfer.local_chunk, transfer.remote_chunk
     for local_alloc, remote_region, lid, rid in items:
         if transfer.op == "WRITE":
-            peer.write_block(remote_region, rid, bytes(initiator.block(local_alloc, lid)))
+            data = initiator.chunk(local_alloc, lid, lc)
+            peer.write_chunk(remote_region, rid, rc, data)
         else:
-            initiator.write_block(local_alloc, lid, bytes(peer.block(remote_region, rid)))
+            initiator.write_chunk(local_alloc, lid, lc, peer.chunk(remote_region, rid, rc))

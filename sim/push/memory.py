@@ -1,11 +1,12 @@
 """Block bookkeeping of the simulated engines (deterministic simulation only).
 
-A `SimBlockPool` hands out *logical* KV blocks of one simulated engine, remembers which
-request owns each one, and keeps the blocks of a receive that did not complete in
-quarantine for a while before reuse, the way an engine must treat memory a peer might
-still be writing into. `fill_pattern` / `pattern_ok` are P's prefill and D's check: each
-physical block of each member holds bytes derived from the client request id, the
-member name and the block's ordinal, so a byte written to the wrong place shows.
+A `SimBlockPool` hands out *logical* KV blocks of one simulated engine (every rank uses
+the same block ids), remembers which request owns each one, and keeps the blocks of a
+receive that did not complete in quarantine for a while before reuse, the way an engine
+must treat memory a peer might still be writing into. `fill_pattern` / `pattern_ok` are
+P's prefill and D's check: each physical block of each member holds bytes derived from
+the client request id, the member name and the block's ordinal, so a byte written to the
+wrong place shows; a TP rank holds its slice of those bytes (its heads, R-T03).
 """
 
 from __future__ import annotations
@@ -30,11 +31,22 @@ def physical_ids(transport: SimPushTransport, logical: Sequence[int]) -> list[in
     return expand_to_physical(logical, transport.physical_blocks_per_logical)
 
 
-def fill_pattern(transport: SimPushTransport, client_id: str, logical: Sequence[int]) -> None:
-    """P's prefill: every member's blocks hold the request's pattern."""
+def rank_pattern(transport: SimPushTransport, client_id: str, member: str, ordinal: int) -> bytes:
+    """This rank's slice of a block's bytes: its share of the heads."""
+    length = transport.block_len
+    full = pattern(client_id, member, ordinal, length * transport.tp_size)
+    start = transport.tp_rank * length
+    return full[start : start + length]
+
+
+def fill_pattern(
+    transport: SimPushTransport, client_id: str, logical: Sequence[int], *, first: int = 0
+) -> None:
+    """P's prefill (and D's cached prefix): every member's blocks hold the request's
+    pattern; ordinals count from `first` (D's cached blocks are the head of the request)."""
     for slot in transport.layout.slots:
-        for ordinal, block in enumerate(physical_ids(transport, logical)):
-            data = pattern(client_id, slot.name, ordinal, transport.block_len)
+        for ordinal, block in enumerate(physical_ids(transport, logical), start=first):
+            data = rank_pattern(transport, client_id, slot.name, ordinal)
             transport.write_block(slot.allocation, block, data)
 
 
@@ -49,7 +61,7 @@ def pattern_ok(transport: SimPushTransport, client_id: str, logical: Sequence[in
     """D's check: every member's blocks hold P's pattern for the request."""
     for slot in transport.layout.slots:
         for ordinal, block in enumerate(physical_ids(transport, logical)):
-            expected = pattern(client_id, slot.name, ordinal, transport.block_len)
+            expected = rank_pattern(transport, client_id, slot.name, ordinal)
             if transport.block(slot.allocation, block) != expected:
                 return False
     return True

@@ -1,22 +1,23 @@
 """A whole P/D pair over the in-memory fabric, under one seeded scheduler (simulation only).
 
 `SimulatedPushWorld` holds two `SimEngine`s (prefill and decode, each a `PushSide` with
-its writer and handshake executor as actors), one `SimNetwork` and one `VirtualClock`.
-Nothing runs on its own: every ordering decision (which engine steps, which writer
-passes, which message is delivered, which handshake job runs, when the clock moves, and
-which fault strikes) is made by the world's seeded `random.Random`, so a run replays
-exactly from its seed.
+every TP/PP rank, each rank's writer and the handshake executor as actors), one
+`SimNetwork` and one `VirtualClock`. A seed draws the world's shape first: its topology
+(TP 1->1, 2->1, 1->2, a PP-2 producer, ..., R-T03, R-T04) and whether the engines share a
+cluster key (S-05). Nothing runs on its own: every ordering decision (which engine steps,
+which rank's writer passes, which message is delivered, which handshake job runs, when
+the clock moves, and which fault strikes) is made by the world's seeded `random.Random`,
+so a run replays exactly from its seed.
 
-The same actions are public (`issue`, `step`, `writer_pass`, `deliver`, `run_job`,
-`advance`, `crash`, ...) so a Hypothesis state machine can choose them instead.
+Beyond the fabric's faults the world plays a proxy that retries some failed requests
+under the same client id (a new attempt of the same base request id), decode legs that
+find part of their prefix cached (R-T05), and hostile processes: a foreign one sending
+completions, `PUSH_FAIL`s, heartbeats and `PUSH_REG`s under names of no known engine, and,
+in worlds with a cluster key, a spoofing one that uses real agents' names (S-02, S-05).
 
 The scheduler, the run and its end are `SeededWorld`'s (`kvhandoff.sim.world`); this
 world says what is due and how likely (`due_actions`), how its faults strike, and what
-must be empty at the end (`RunChecks`). A run ends with `settle`: faults off,
-partitions healed, crashed engines restarted, the clock driven past every deadline;
-then `probe` sends fresh requests until one completes (a peer that came back is
-re-handshaked, B-08), and `final_check` demands that every lease was freed exactly once,
-every registration ended, and every table is empty.
+must be empty at the end (`RunChecks`).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from __future__ import annotations
 import random
 from typing import ClassVar, Unpack
 
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.protocol.handshake import compatibility_hash
+from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.sim.contracts import Choices, WorldOptions
 from kvhandoff.sim.faults import SimFaults
 from kvhandoff.sim.push.checks import RunChecks
 from kvhandoff.sim.push.engine import Arrival, SimEngine
 from kvhandoff.sim.push.fabric import SimNetwork
 from kvhandoff.sim.push.ledger import ClientRecord, SimLedger
-from kvhandoff.sim.push.settings import MEMBERS, SimSettings, Variant
+from kvhandoff.sim.push.rogue import Rogue
+from kvhandoff.sim.push.settings import MEMBERS, SimSettings, Topology, Variant
 from kvhandoff.sim.world import SeededWorld
 
 __all__ = ["SimulatedPushWorld"]
@@ -45,23 +48,45 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
     protocol: ClassVar[str] = "push"
     roles: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     restart_order: ClassVar[tuple[str, ...]] = roles
+    # Multi-rank worlds take about twice the actions of a single-rank one per request;
+    # halving the per-action rates keeps about one crash or partition in two runs.
+    crash_rate: ClassVar[float] = 0.5
+    partition_rate: ClassVar[float] = 0.5
 
-    def __init__(self, seed: int, **options: Unpack[WorldOptions[SimSettings, Variant]]) -> None:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        topology: Topology | None = None,
+        keyed: bool | None = None,
+        **options: Unpack[WorldOptions[SimSettings, Variant]],
+    ) -> None:
         super().__init__(seed, **options)
+        settings = self.settings
+        drawn = self.rng.choice(settings.topologies)
+        self.topology = topology if topology is not None else drawn
+        lucky = self.rng.random() < settings.keyed
+        self.keyed = keyed if keyed is not None else lucky
         self.network = SimNetwork(random.Random(self.rng.getrandbits(64)), self.clock, self.faults)
         self.network.observer = self
         self.ledger = SimLedger()
+        self.ledger.now = self.clock.now
         self.violations = self.ledger.violations  # the ledger records every broken rule
         self.compatibility_hash = compatibility_hash(
             "kvhandoff-sim", "sim-model", "uint8", self.settings.block_len
         )
+        self.retries: list[tuple[float, str, int]] = []  # (when, client id, blocks)
         self.prefill = SimEngine(self, "prefill", "prefill-0", "10.0.0.1", 5600, MEMBERS)
         # D lists its regions in another order: routing must go by member (R-P14).
         self.decode = SimEngine(self, "decode", "decode-0", "10.0.0.2", 5700, MEMBERS[::-1])
         self.engines = (self.prefill, self.decode)
+        self.rogue = Rogue(self)
 
     def default_settings(self) -> SimSettings:
         return SimSettings()
+
+    def config_of(self, role: str) -> PushConfig:
+        return self.settings.config(self.topology, role, keyed=self.keyed)
 
     def violation(self, message: str) -> None:
         self.ledger.violation(message)
@@ -75,32 +100,56 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
 
     # -- actions -------------------------------------------------------------------------
 
-    def issue(self, num_blocks: int | None = None, *, probe: bool = False) -> str:
-        """The proxy sends one client request's two legs (R-P01); they may arrive apart."""
-        self._serial += 1
-        index = 1 if self._serial % 5 == 0 else 0  # some multi-prompt sub-requests
-        n = self._serial - index
-        client_id = f"cmpl-{n:05d}-{index}"
+    def issue(
+        self, num_blocks: int | None = None, *, probe: bool = False, client_id: str | None = None
+    ) -> str:
+        """The proxy sends one client request's two legs (R-P01); they may arrive apart.
+        With `client_id`, it retries that request (same base id, new attempt)."""
+        if client_id is None:
+            self._serial += 1
+            index = 1 if self._serial % 5 == 0 else 0  # some multi-prompt sub-requests
+            n = self._serial - index
+            client_id = f"cmpl-{n:05d}-{index}"
         blocks = num_blocks or self.rng.randint(1, self.settings.max_blocks)
-        self.ledger.add(client_id, blocks, probe=probe)
+        cached = 0
+        if not probe and blocks > 1 and self.rng.random() < self.settings.prefix_hit:
+            cached = self.rng.randint(1, blocks - 1)
+        record = self.ledger.add(client_id, blocks, cached=cached, probe=probe)
         spread = 0.0 if probe else self.settings.leg_spread_s
         now = self.clock.now
         for engine in self.engines:
             if engine.alive:
-                engine.arrivals.append(Arrival(client_id, blocks, now + self.rng.random() * spread))
+                at = now + self.rng.random() * spread
+                engine.arrivals.append(Arrival(record.key, client_id, blocks, cached, at))
                 engine.dirty = True
             else:
-                self.ledger.lost(client_id, engine.role)
-        self.note(f"issue {client_id} blocks={blocks}")
-        return client_id
+                self.ledger.lost(record.key, engine.role)
+        self.note(f"issue {record.key} blocks={blocks} cached={cached}")
+        return record.key
+
+    def failed(self, key: str) -> None:
+        """D failed an attempt cleanly: the proxy may retry it under the same id, once no
+        registration of the failed attempt can still be held anywhere."""
+        record = self.ledger.clients[key]
+        if record.probe or record.attempt or not self.issuing:
+            return
+        if self.rng.random() < self.settings.retry:
+            when = self.clock.now + self.settings.retry_delay_s
+            self.retries.append((when, record.client_id, record.num_blocks))
+
+    def _retry(self) -> None:
+        self.retries.sort()
+        _when, client_id, blocks = self.retries.pop(0)
+        self.note(f"retry {client_id}")
+        self.issue(blocks, client_id=client_id)
 
     def step(self, role: str) -> None:
         self.note(f"{role} step")
         self.engine(role).step()
 
-    def writer_pass(self, role: str) -> None:
-        self.note(f"{role} writer pass")
-        self.engine(role).writer_pass()
+    def writer_pass(self, role: str, rank: int = 0) -> None:
+        self.note(f"{role}{rank} writer pass")
+        self.engine(role).writer_pass(rank)
 
     def run_job(self, role: str, index: int | None = None, *, fail: bool = False) -> None:
         engine = self.engine(role)
@@ -117,7 +166,7 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
             return
         self.note(f"deliver {msg.describe()}")
         for engine in self.engines:
-            if engine.alive and engine.transport.agent_name in (msg.src_agent, msg.dst_agent):
+            if engine.alive and {msg.src_agent, msg.dst_agent} & engine.agents():
                 engine.dirty = True
 
     def advance(self, seconds: float) -> None:
@@ -158,7 +207,8 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
 
     def abort_one(self) -> None:
         decode = self.decode
-        live = [rid for rid in decode.requests if decode.side.bus.get(D_REGISTRATION, rid)]
+        bus = decode.side.scheduler.bus
+        live = [rid for rid in decode.requests if bus.has_tag(D_REQUEST, rid, "abortable")]
         if decode.alive and live:
             victim = self.rng.choice(sorted(live))
             self.note(f"abort {victim}")
@@ -166,6 +216,16 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
 
     def clock_jump(self, seconds: float) -> None:
         self.advance(seconds)
+
+    def protocol_fault(self) -> bool:
+        """A hostile process: foreign names always, real names only with a cluster key
+        (without one a spoofed name is, by design, the peer it names: the threat model)."""
+        rng, faults = self.rng, self.faults
+        if faults.foreign_notif and rng.random() < faults.foreign_notif:
+            return self.rogue.strike(spoof=False)
+        if self.keyed and faults.spoofed_notif and rng.random() < faults.spoofed_notif:
+            return self.rogue.strike(spoof=True)
+        return False
 
     # -- what the seeded scheduler asks (SeededWorld) ---------------------------------------
 
@@ -178,12 +238,17 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
                 choices.append((3.0, lambda r=role: self.step(r)))  # type: ignore[misc]
             elif engine.has_work():  # an engine steps while work is pending, idle or not
                 idle_steps.append((0.2, lambda r=role: self.step(r)))  # type: ignore[misc]
-            if engine.writer_due():
-                choices.append((3.0, lambda r=role: self.writer_pass(r)))  # type: ignore[misc]
+            for rank in range(len(engine.transports)):
+                if engine.writer_due(rank):
+                    choices.append(
+                        (3.0, lambda r=role, k=rank: self.writer_pass(r, k))  # type: ignore[misc]
+                    )
             if engine.alive and engine.executor.ready():
                 choices.append((2.0, lambda r=role: self.run_job(r)))  # type: ignore[misc]
         if self.network.deliverable():
             choices.append((5.0, self.deliver))
+        if self.issuing and self.retries and min(self.retries)[0] <= now:
+            choices.append((2.0, self._retry))
         if choices:  # something is due now: time moves in small steps meanwhile
             choices.append((0.5, lambda: self.advance(rng.expovariate(200.0))))
         else:  # nothing is due: jump to the next thing that will be
@@ -195,7 +260,12 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
         arrival = self.network.next_arrival()
         if arrival is not None:
             times.append(arrival)
+        if self.issuing and self.retries:
+            times.append(min(self.retries)[0])
         return times
+
+    def all_resolved(self) -> bool:
+        return not self.retries and super().all_resolved()
 
     def use_faults(self, faults: SimFaults) -> None:
         self.faults = self.network.faults = faults
@@ -212,6 +282,9 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
         """Run every action that is due now until none is (bounded)."""
         for _ in range(limit):
             progressed = False
+            while self.issuing and self.retries and min(self.retries)[0] <= self.clock.now:
+                self._retry()  # the proxy's retry is due (it counts as a next event)
+                progressed = True
             while self.network.deliverable():
                 self.deliver()
                 progressed = True
@@ -222,14 +295,16 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
                 if engine.busy():
                     self.step(engine.role)
                     progressed = True
-                if engine.writer_due():
-                    self.writer_pass(engine.role)
-                    progressed = True
+                for rank in range(len(engine.transports)):
+                    if engine.writer_due(rank):
+                        self.writer_pass(engine.role, rank)
+                        progressed = True
             if not progressed:
                 return
 
     def settle(self) -> None:
         """Faults off, heal, restart, every deadline past; then quarantines end."""
+        self.retries.clear()
         super().settle()
         for engine in self.engines:
             engine.pool.expire_quarantine(float("inf"))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+TRACE_HELP = "write each process's transition trace into DIR (check it with check-trace)"
 
 
 def _progress(message: str) -> None:
@@ -15,16 +18,37 @@ def _progress(message: str) -> None:
 
 def _cmd_diagrams(args: argparse.Namespace) -> int:
     from kvhandoff.specs import stale_specs, write_specs
+    from kvhandoff.specs_svg import check_svgs, publish_svgs, stale_svgs
 
     out = Path(args.out)
+    if args.journey:
+        from kvhandoff.tracecheck.journey import journey_command
+
+        return journey_command(args.journey, args.request)
+    if args.svg:
+        problems = check_svgs(Path(args.svg))
+        for problem in problems:
+            print(f"diagram: {problem}")
+        for path in [] if problems else publish_svgs(Path(args.svg), out):
+            print(f"wrote {path}")
+        return 1 if problems else 0
     if args.check:
         stale = stale_specs(out)
         for name in stale:
             print(f"stale: {out / name} (run `kvhandoff diagrams`)")
-        return 1 if stale else 0
+        svgs = stale_svgs(out)
+        for name in svgs:
+            print(f"stale: {out / name} (run `make docs`)")
+        return 1 if stale or svgs else 0
     for name in write_specs(out):
         print(f"wrote {out / name}")
     return 0
+
+
+def _cmd_check_trace(args: argparse.Namespace) -> int:
+    from kvhandoff.tracecheck.cli import run_check
+
+    return run_check(args.files, verbose=args.verbose)
 
 
 def _cmd_bench_latency(args: argparse.Namespace) -> int:
@@ -59,7 +83,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "dispatch":
         from kvhandoff.bench.dispatch import run_dispatch_bench
 
-        result = run_dispatch_bench(_progress, quick=args.quick)
+        result = run_dispatch_bench(_progress, quick=args.quick, trace=args.trace or "")
         if not args.json:
             for name, value in result["per_event_ns"].items():
                 print(f"{name:>12}: {value:8.1f} ns/event")
@@ -71,7 +95,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "push":
         from kvhandoff.bench.push import config_for, run_push_bench
 
-        push = run_push_bench(config_for(args.device, args.quick), _progress)
+        push = run_push_bench(config_for(args.device, args.quick, args.transport), _progress)
         for note in push["notes"]:
             print(f"push bench: {note}", file=sys.stderr)
         ok = push["framework_verified"] and push["baseline_verified"]
@@ -81,7 +105,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 f"{push['requests']} requests x {push['regions']} regions x "
                 f"{push['blocks_per_request']} blocks of {push['block_len']} B"
             )
-            print(f"framework: {push['framework_gbps']} GB/s (median)")
+            print(f"framework: {push['framework_gbps']} GB/s (median, path {push['path']})")
             print(f" baseline: {push['baseline_gbps']} GB/s (median, one descriptor)")
             print(f"    ratio: {push['ratio']}{'' if ok else '  (bytes NOT verified)'}")
         print(json.dumps(push) if args.json else "")
@@ -101,9 +125,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     raise SystemExit(f"role {args.role!r} is not available yet")
 
 
+def _trace_to(directory: str | None) -> None:
+    """Every role process started from here traces into `directory` (KVHANDOFF_TRACE)."""
+    if directory:
+        from kvhandoff.adapters.trace import ENV, ENV_RUN
+
+        path = Path(directory).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[ENV] = str(path)
+        os.environ.setdefault(ENV_RUN, f"{os.getpid()}-{os.urandom(4).hex()}")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvhandoff.demo.push_demo import run_push_demo
 
+    _trace_to(args.trace)
     results: dict[str, object] = {}
     ok = True
     line = []
@@ -154,12 +190,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvhandoff.sim.run import main_from_args
 
+    _trace_to(args.trace)
     return main_from_args(args)
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
     from kvhandoff.soak.run import run_soak
 
+    _trace_to(args.trace)
     result = run_soak(args.seconds, args.faults, args.seed, args.ec_faults)
     if not args.json:
         for key, value in result.items():
@@ -176,7 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
     diagrams = sub.add_parser("diagrams", help="write specs/ from the machine declarations")
     diagrams.add_argument("--out", default="specs")
     diagrams.add_argument("--check", action="store_true", help="fail naming stale files")
+    diagrams.add_argument(
+        "--svg", default=None, metavar="DIR", help="check rendered SVGs (make docs), publish"
+    )
+    diagrams.add_argument(
+        "--journey", nargs="+", default=None, metavar="FILE", help="traces: draw one request"
+    )
+    diagrams.add_argument("--request", default=None, help="with --journey: the request id")
     diagrams.set_defaults(func=_cmd_diagrams)
+
+    check = sub.add_parser(
+        "check-trace", help="replay transition traces against the declarations and P/D rules"
+    )
+    check.add_argument("files", nargs="+", help="trace files (or directories of *.jsonl)")
+    check.add_argument("--verbose", action="store_true", help="also list skipped rules")
+    check.set_defaults(func=_cmd_check_trace)
 
     bench = sub.add_parser("bench", help="benchmarks, as ratios against same-run baselines")
     bench.add_argument("what", choices=["dispatch", "push", "latency", "ec"])
@@ -184,9 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
     bench.add_argument(
+        "--transport",
+        choices=["auto", "nixl", "cuda_ipc"],
+        default="auto",
+        help="push: WRITE path (auto: CUDA IPC on --device cuda, falling back to NIXL)",
+    )
+    bench.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="push: where the KV lives"
     )
     bench.add_argument("--blocks", type=int, default=None, help="ec: blocks per batch")
+    bench.add_argument(
+        "--trace", default=None, metavar="PATH", help="dispatch: also time it traced into PATH"
+    )
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="the main job: real processes over NIXL and ZMQ")
@@ -195,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=7)
     demo.add_argument("--backend", default="UCX", help="NIXL backend (B-03)")
     demo.add_argument("--json", action="store_true")
+    demo.add_argument("--trace", default=None, metavar="DIR", help=TRACE_HELP)
     demo.set_defaults(func=_cmd_demo)
 
     soak = sub.add_parser("soak", help="push and encoder-cache traffic under injected faults")
@@ -211,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_argument("--seed", type=int, default=1)
     soak.add_argument("--json", action="store_true")
+    soak.add_argument("--trace", default=None, metavar="DIR", help=TRACE_HELP)
     soak.set_defaults(func=_cmd_soak)
 
     run = sub.add_parser("run", help="run one role alone (P and D may be on different hosts)")
@@ -259,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--variant", default=None, help="a deliberately broken variant (self-check)"
     )
     simulate.add_argument("--json", action="store_true")
+    simulate.add_argument(
+        "--trace", default=None, metavar="DIR", help="write one trace per run into DIR"
+    )
     simulate.set_defaults(func=_cmd_simulate)
     return parser
 

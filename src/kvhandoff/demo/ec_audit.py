@@ -14,15 +14,19 @@ from typing import Any
 from kvhandoff.adapters.ec_side import ECSide
 from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
 from kvhandoff.machines.ec.copy_batch import EC_COPY_BATCH
+from kvhandoff.machines.ec.notices import EC_REQUEST_FAILURE
 
 
 def _transient(side: ECSide) -> int:
-    """Lifecycles that end by themselves (timeouts, completions) once traffic stops."""
+    """Lifecycles that end by themselves (timeouts, completions) once traffic stops (a
+    failure notice the engine has not taken yet is owed to it, not in flight)."""
     bus = side.scheduler.bus
     kinds = [bus.machine_named(name).decl for name in bus.kinds()]
-    live = sum(bus.live(kind) for kind in kinds if kind is not EC_CACHE_ENTRY)
+    quiet = (EC_CACHE_ENTRY, EC_REQUEST_FAILURE)
+    live = sum(bus.live(kind) for kind in kinds if kind not in quiet)
     live += sum(not inst.has("evictable") for inst in side.scheduler.cache.entries())
-    return live + side.worker.bus.live(EC_COPY_BATCH) + side.reads_in_flight()
+    copies = 0 if side.worker is None else side.worker.bus.live(EC_COPY_BATCH)
+    return live + copies + side.reads_in_flight()
 
 
 def settled(side: ECSide) -> bool:

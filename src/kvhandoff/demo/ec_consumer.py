@@ -22,7 +22,6 @@ from kvhandoff.demo.ec_loop import ECRoleOptions, Stdin, pace, settle
 from kvhandoff.demo.ec_requests import BLOCK_BYTES, DTYPE, HIDDEN, ECDemoRequest, encoding, matches
 from kvhandoff.demo.push_role import MARK, emit, rss_mb
 from kvhandoff.machines.ec.meta import ECRequestInfo
-from kvhandoff.machines.ec.request import EC_REQUEST
 
 __all__ = ["ConsumerLoop"]
 
@@ -98,7 +97,12 @@ class ConsumerLoop:
         if take and self.rss_start is None:
             self.rss_start = rss_mb()
         for req, params in take:
-            info = ECRequestInfo(f"{req.client_id}-c", (req.mm_hash,), ec_transfer_params=params)
+            info = ECRequestInfo(
+                f"{req.client_id}-c",
+                (req.mm_hash,),
+                ec_transfer_params=params,
+                mm_tokens=(req.tokens,),
+            )
             self.pending[req.client_id] = _Pending(req, info)
 
     def _schedule(self, item: _Pending) -> None:
@@ -112,12 +116,11 @@ class ConsumerLoop:
             item.extra["not_ready"] = outcome.not_ready
         if sched.has_cache_item(req.mm_hash):
             side.encoder_cache[req.mm_hash] = torch.empty(req.tokens, HIDDEN, dtype=DTYPE)
-            sched.update_state_after_alloc(item.info, req.mm_hash, req.tokens, side.clock())
+            sched.update_state_after_alloc(item.info, 0, side.clock())
             self.loading[req.mm_hash] = req.client_id
             item.via = "p2p"
             return
-        inst = sched.bus.get(EC_REQUEST, item.info.request_id)
-        item.reason = "" if inst is None else inst.ctx.local.get(req.mm_hash, "")
+        item.reason = sched.local_reason(item.info.request_id, req.mm_hash)
         item.via = "local"
         side.encoder_cache[req.mm_hash] = encoding(req.mm_hash, req.tokens)  # encode here
         self._finish(item, ok=True)
@@ -151,7 +154,7 @@ class ConsumerLoop:
     def _step(self) -> None:
         side, sched = self.side, self.side.scheduler
         for item in list(self.pending.values()):
-            if not item.scheduled and sched.ensure_cache_available(item.info, side.clock()):
+            if not item.scheduled and sched.ensure_cache_available(item.info, 0, side.clock()):
                 self._schedule(item)
         for failed in sched.take_failed_requests():
             client = failed.request_id.removesuffix("-c")

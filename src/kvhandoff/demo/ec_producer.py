@@ -81,12 +81,17 @@ class ProducerLoop:
         emit("evicted", mm_hash=effect.mm_hash, reason=effect.reason)
 
     def _encode(self, req: ECDemoRequest, *, hold_s: float = 0.0) -> ECRequestInfo:
-        info = ECRequestInfo(req.client_id, (req.mm_hash,), mm_metadata={req.mm_hash: req.metadata})
+        info = ECRequestInfo(
+            req.client_id,
+            (req.mm_hash,),
+            mm_metadata={req.mm_hash: req.metadata},
+            mm_tokens=(req.tokens,),
+        )
         self.side.encoder_cache[req.mm_hash] = encoding(req.mm_hash, req.tokens)
         if hold_s > 0:
             self.held[req.mm_hash] = time.monotonic() + hold_s
         side = self.side
-        side.scheduler.update_state_after_alloc(info, req.mm_hash, req.tokens, side.clock())
+        side.scheduler.update_state_after_alloc(info, 0, side.clock())
         return info
 
     def _publish(self, req: ECDemoRequest, info: ECRequestInfo) -> None:

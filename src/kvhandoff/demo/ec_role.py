@@ -53,6 +53,7 @@ import torch
 from kvhandoff.adapters.ec_copy_cpu import CpuCopyEngine
 from kvhandoff.adapters.ec_fault_injection import ECFaultPlan, ECFaults, FaultyECSide
 from kvhandoff.adapters.ec_side import ECSide
+from kvhandoff.adapters.trace import apply_trace_config
 from kvhandoff.demo.ec_audit import audit
 from kvhandoff.demo.ec_consumer import ConsumerLoop
 from kvhandoff.demo.ec_loop import ECRoleOptions, SaveGate, Stdin, transfer_config
@@ -134,6 +135,7 @@ def main_from_args(args: Any) -> int:
     if not isinstance(overrides, dict):
         print("--config must be a JSON object", file=sys.stderr)
         return 2
+    overrides = apply_trace_config(overrides)  # trace, trace_max_bytes, trace_backups
     extra = {k: v for k, v in overrides.items() if k in EXTRA_CONFIG_KEYS}
     machine = {k: float(v) for k, v in overrides.items() if k not in EXTRA_CONFIG_KEYS}
     relay = bool(getattr(args, "relay", False))

@@ -17,13 +17,9 @@ from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
 from kvhandoff.demo.kv_memory import KVMemory, KVShape
-from kvhandoff.machines.push.scheduler import (
-    MAIN_THREAD_KINDS,
-    LocalEngine,
-    Mode,
-    PushConnectorOutput,
-    Role,
-)
+from kvhandoff.machines.push.meta import PushConnectorOutput
+from kvhandoff.machines.push.scheduler import SCHEDULER_KINDS, LocalEngine, Mode, Role
+from kvhandoff.machines.push.worker import RANK_KINDS
 from kvhandoff.protocol.handshake import compatibility_hash
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -61,13 +57,26 @@ class LivePushInstance:
             ),
             is_decoder=role == "decode",
         )
-        self.server = self.transport.serve(listen_host, listen_port)
         self.executor = HandshakeExecutor()
+        # The side channel serves what the side's ranks say, so it starts first on a port
+        # of its own and learns the side once it exists.
+        self._side: PushSide | None = None
+        from kvhandoff.adapters.zmq.side_channel import SideChannelServer
+        from kvhandoff.protocol.handshake import encode_engine_handshake
+
+        self.server = SideChannelServer(
+            listen_host, listen_port, lambda: encode_engine_handshake(self.side.handshake())
+        )
         self.engine = LocalEngine(engine_id, listen_host, self.server.port)
-        self.side = PushSide(
+        self._side = PushSide(
             role, self.engine, self.transport, self.executor.submit, config=self.config, mode=mode
         )
-        self.writer = PushWriterThread(self.side).start()
+        self.writer = PushWriterThread(self.side.ranks[0]).start()
+
+    @property
+    def side(self) -> PushSide:
+        assert self._side is not None, "the side channel was asked before the side existed"
+        return self._side
 
     @property
     def port(self) -> int:
@@ -78,15 +87,22 @@ class LivePushInstance:
         return self.side.step()
 
     def live_lifecycles(self) -> int:
-        """Lifecycles still live on the main-thread bus (zero once everything resolved)."""
-        return sum(self.side.bus.live(kind) for kind in MAIN_THREAD_KINDS)
+        """Request lifecycles still live on the scheduler's and the rank's buses (zero
+        once everything resolved)."""
+        side = self.side
+        rank = side.ranks[0]
+        return sum(side.scheduler.bus.live(kind) for kind in SCHEDULER_KINDS) + sum(
+            rank.bus.live(kind) for kind in RANK_KINDS
+        )
 
     def counters(self) -> dict[str, Any]:
+        side = self.side
         return {
-            "rejected_notifs": self.side.writer.rejected_notifs + self.side.worker.rejected_notifs,
-            "failed_transfers": self.side.failed_transfers,
+            "rejected_notifs": side.rejected_notifs(),
+            "failed_transfers": side.failed_transfers,
             "writer_errors": self.writer.errors,
-            "metrics": dict(self.side.bus.metrics),
+            "metrics": {**side.scheduler.bus.metrics, **side.ranks[0].bus.metrics},
+            "failures": side.stats(),
         }
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvhandoff.adapters.trace import apply_trace_config
 from kvhandoff.protocol.push_config import PushConfig
 
 MARK = "@@ "
@@ -250,8 +251,10 @@ class _DecodeLoop(_Loop):
 
     def _given_up(self) -> list[str]:
         """Requests whose lifecycle ended without a receive being reported (expired)."""
-        kind = self.side.scheduler.d_kind
-        return [rid for rid in self.blocks if self.side.bus.get(kind, rid) is None]
+        from kvhandoff.machines.push.d_request import D_REQUEST
+
+        bus = self.side.scheduler.bus
+        return [rid for rid in self.blocks if bus.get(D_REQUEST, rid) is None]
 
     def _legs(self) -> queue.Queue[tuple[str, dict[str, Any]]]:
         from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
@@ -312,7 +315,9 @@ def main_from_args(args: Any) -> int:
         backend=args.backend,
         deadline_s=args.deadline,
         per_step=args.per_step,
-        config=PushConfig.from_mapping({"nixl_backend": args.backend, **json.loads(args.config)}),
+        config=PushConfig.from_mapping(
+            {"nixl_backend": args.backend, **apply_trace_config(json.loads(args.config))}
+        ),
         wait_go=args.wait_go,
         mode=args.mode,
         step_ms=args.step_ms,

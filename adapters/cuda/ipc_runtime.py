@@ -1,0 +1,156 @@
+"""CUDA IPC through NVIDIA's `cuda.bindings` (the `gpu` extra): export a device
+allocation as an IPC handle, open a peer's handle once, close it (issue 18).
+
+Nothing here imports `cuda.bindings` at module import time: `available()` says whether
+it can be loaded, and each call loads it through `importlib`, so the CPU-only install
+and CI never touch CUDA. Every function returns plain ints and bytes; a CUDA error is an
+`IpcError` (a `KvHandoffError`), never a crash, so a caller falls back to NIXL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import socket
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import cast
+
+from kvhandoff.protocol.errors import KvHandoffError
+
+IPC_HANDLE_BYTES = 64
+
+
+class IpcError(KvHandoffError):
+    """A CUDA IPC call failed (or `cuda.bindings` is missing): use another path."""
+
+
+@cache
+def _modules() -> tuple[ModuleType, ModuleType] | None:
+    try:
+        runtime = importlib.import_module("cuda.bindings.runtime")
+        driver = importlib.import_module("cuda.bindings.driver")
+    except ImportError:
+        return None
+    return runtime, driver
+
+
+def available() -> bool:
+    """Whether `cuda.bindings` imports (not whether a GPU is present)."""
+    return _modules() is not None
+
+
+def _rt() -> ModuleType:
+    mods = _modules()
+    if mods is None:
+        raise IpcError("CUDA IPC needs cuda-python: pip install 'kvhandoff[gpu]'")
+    return mods[0]
+
+
+def _drv() -> ModuleType:
+    mods = _modules()
+    if mods is None:
+        raise IpcError("CUDA IPC needs cuda-python: pip install 'kvhandoff[gpu]'")
+    return mods[1]
+
+
+def _check(name: str, result: object) -> tuple[object, ...]:
+    """cuda.bindings returns (error, *values); raise on an error, return the values."""
+    values = result if isinstance(result, tuple) else (result,)
+    err = values[0]
+    if int(cast(int, getattr(err, "value", err))) != 0:
+        raise IpcError(f"{name} failed: {err!r}")
+    return values[1:]
+
+
+def _call(module: ModuleType, name: str, *args: object) -> tuple[object, ...]:
+    fn = cast(Callable[..., object], getattr(module, name))
+    try:
+        result = fn(*args)
+    except (TypeError, ValueError, AttributeError) as exc:  # a binding that changed shape
+        raise IpcError(f"{name}: {exc}") from exc
+    return _check(name, result)
+
+
+def _as_int(value: object) -> int:
+    """An int from a plain int or a cuda.bindings pointer/handle object."""
+    if isinstance(value, int):
+        return value
+    return int(cast(int, value))  # CUdeviceptr and friends implement __int__
+
+
+def set_device(device: int) -> None:
+    """Make `device` (and its primary context) current on the calling thread."""
+    _call(_rt(), "cudaSetDevice", device)
+
+
+def pci_bus_id(device: int) -> str:
+    (raw,) = _call(_rt(), "cudaDeviceGetPCIBusId", 64, device)
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text.rstrip("\x00").strip().lower()
+
+
+def device_by_pci_bus_id(bus_id: str) -> int:
+    (device,) = _call(_rt(), "cudaDeviceGetByPCIBusId", bus_id.encode())
+    return int(cast(int, device))
+
+
+def can_access_peer(device: int, peer: int) -> bool:
+    if device == peer:
+        return True
+    (ok,) = _call(_rt(), "cudaDeviceCanAccessPeer", device, peer)
+    return bool(ok)
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation holding `ptr` (cuMemGetAddressRange)."""
+    drv = _drv()
+    dptr = cast(Callable[[int], object], drv.CUdeviceptr)(ptr)
+    base, size = _call(drv, "cuMemGetAddressRange", dptr)
+    return _as_int(base), int(cast(int, size))
+
+
+def _handle_bytes(handle: object) -> bytes:
+    getter = getattr(handle, "getPtr", None)
+    if getter is not None:
+        return ctypes.string_at(int(cast(int, getter())), IPC_HANDLE_BYTES)
+    return bytes(cast(bytes, handle.reserved))  # type: ignore[attr-defined]
+
+
+def get_mem_handle(base: int) -> bytes:
+    """The 64-byte IPC handle of the allocation starting at `base`."""
+    (handle,) = _call(_rt(), "cudaIpcGetMemHandle", base)
+    return _handle_bytes(handle)
+
+
+def open_mem_handle(data: bytes) -> int:
+    """Map a peer's allocation into this process (once per peer); returns its address."""
+    if len(data) != IPC_HANDLE_BYTES:
+        raise IpcError(f"an IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(data)}")
+    rt = _rt()
+    handle = cast(Callable[[], object], rt.cudaIpcMemHandle_t)()
+    getter = getattr(handle, "getPtr", None)
+    if getter is not None:
+        ctypes.memmove(int(cast(int, getter())), data, IPC_HANDLE_BYTES)
+    else:
+        handle.reserved = data  # type: ignore[attr-defined]
+    flag = rt.cudaIpcMemLazyEnablePeerAccess
+    (ptr,) = _call(rt, "cudaIpcOpenMemHandle", handle, flag)
+    return _as_int(ptr)
+
+
+def close_mem_handle(ptr: int) -> None:
+    _call(_rt(), "cudaIpcCloseMemHandle", ptr)
+
+
+@cache
+def host_identity() -> str:
+    """Who "the same host" is: the hostname and this boot's id (a restarted or another
+    host never matches, so IPC is refused there)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"

@@ -1,0 +1,424 @@
+"""A `PushTransport` that WRITEs to same-host peers through CUDA IPC (issue 18).
+
+`IpcPushTransport(inner, ...)` wraps the NIXL transport and delegates everything to it,
+except:
+
+- D (``export=True``): after `connect` it sends its `IpcExport` (one IPC handle
+  per KV allocation) to every rank of the peer as one notif.
+- P: `get_new_notifs` takes exports out of the notif stream (the push machines never see
+  them) and keeps the latest per sender agent. The first `write_blocks` to that D rank
+  creates its `push.ipc_peer` instance (on this transport's own bus) and opens the
+  handles once (`OpenedPeer`); when host, GPU or peer access, regions or CUDA say no, the
+  refusal is logged once and that rank stays on NIXL (`nixl_only`, the fallback) until D
+  sends a new export. WRITEs of whole
+  blocks to an opened rank are queued, not posted: the next `poll` (main thread) or
+  `get_new_notifs` (writer thread) launches ONE gather-scatter kernel per D rank for every
+  queued request and records a CUDA event; each request's completion notif leaves through
+  NIXL only after that event fired, and only then does its `poll` say DONE. A request
+  released before its launch never lands; one released after it sends no notif.
+- `forget` (D gone, B-08) closes the rank's instance: it waits for that rank's kernels,
+  fails their requests, unmaps the allocations, then the NIXL agents are forgotten: P
+  never touches a dead D's memory.
+
+Source KV readiness: the kernel runs on the transport's own stream after the device's
+default stream (an engine calls `request_finished` after its step synchronised).
+Several GPUs of one host: D's GPU is found by PCI bus id and opened with lazy peer access
+where `cudaDeviceCanAccessPeer` allows; only the single-GPU case has been run.
+
+Nothing here imports torch, Triton or cuda.bindings before a D's export is opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvhandoff.adapters.clock import real_clock
+from kvhandoff.adapters.cuda.ipc_export import (
+    IPC_EXPORT_PREFIX,
+    build_export,
+    decode_export,
+    encode_export,
+)
+from kvhandoff.adapters.cuda.ipc_runtime import IpcError
+from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
+from kvhandoff.adapters.push_transport import EngineInfo, Routes, TransferHandle, XferState
+from kvhandoff.machines.push.ipc_peer import (
+    IPC_PEER,
+    CloseMappings,
+    ExportOffered,
+    IpcPeerCtx,
+    MappingsClosed,
+    MappingsOpened,
+    MappingsRefused,
+    PeerForgotten,
+)
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
+from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
+from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvhandoff.adapters.cuda.ipc_peer import OpenedPeer
+
+log = logging.getLogger(__name__)
+
+Path = Literal["cuda_ipc", "nixl"]
+
+
+@dataclass(eq=False, slots=True)
+class IpcHandle:
+    """A WRITE through CUDA IPC: queued, launched, then DONE once its notif left."""
+
+    engine_id: str
+    rank: int
+    local_ids: Sequence[int]
+    remote_ids: Sequence[int]
+    notif: bytes
+    xfer_status: XferState = "PROC"
+    released: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    key: str
+    event: torch.cuda.Event
+    handles: list[IpcHandle]
+
+
+@dataclass(slots=True)
+class IpcStats:
+    ipc_writes: int = 0
+    nixl_writes: int = 0
+    launches: int = 0
+    opened_peers: int = 0
+    refused_peers: dict[str, str] = field(default_factory=dict)
+
+
+class IpcPushTransport:
+    """The NIXL transport plus same-host CUDA IPC WRITEs (see the module doc)."""
+
+    def __init__(
+        self,
+        inner: NixlPushTransport,
+        *,
+        device: int = 0,
+        export: bool = False,
+        launch_every: int = 0,
+        notifier: bool = False,
+        clock: Callable[[], float] = real_clock,
+    ) -> None:
+        self.inner = inner
+        self.launch_every = launch_every
+        """Queued WRITEs to one D rank that launch a kernel at once from `write_blocks`
+        (copying while the writer still matches the pass's other requests); 0: never, all
+        of a pass launch at the next `poll` / `get_new_notifs` (measured best on the H200,
+        bench/RESULTS.md)."""
+        self._use_notifier = notifier
+        """Send completion notifs from a thread waiting on each launch's event instead of
+        at the next `poll` / `get_new_notifs` (off: it measured slower)."""
+        self.engine_id = inner.engine_id
+        self.device = device
+        self.stats = IpcStats()
+        self._lock = threading.RLock()
+        self._export: bytes | None = None
+        if export:
+            try:
+                self._export = encode_export(build_export(inner.layout.slots, device))
+            except IpcError as exc:
+                log.warning("not exporting KV through CUDA IPC: %s", exc)
+        self.clock = clock
+        self.bus = EventBus()
+        """`push.ipc_peer` instances, one per D rank that sent an export (under `_lock`)."""
+        self.bus.register(IPC_PEER)
+        self.bus.handle(CloseMappings, self._close_mappings)
+        self._offers: dict[str, bytes] = {}  # sender agent -> its latest export
+        self._mapped: dict[str, OpenedPeer] = {}  # the opened ranks' mappings
+        self._queued: dict[str, list[IpcHandle]] = {}
+        self._batches: list[_Batch] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._wake = threading.Condition(self._lock)
+        self._notifier: threading.Thread | None = None
+        self._closed = False
+
+    # -- delegated -------------------------------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        return self.inner.agent_name
+
+    def handshake_payload(self) -> HandshakePayload:
+        return self.inner.handshake_payload()
+
+    def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
+        self.inner.advertise(extensions, auth_key_id)
+
+    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
+        return self.inner.fetch_handshake(host, port, timeout_s)
+
+    def engine(self, engine_id: str) -> EngineInfo | None:
+        return self.inner.engine(engine_id)
+
+    def identify(self, agent_name: str) -> tuple[str, int] | None:
+        return self.inner.identify(agent_name)
+
+    def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
+        self.inner.send_notif(engine_id, rank, message)
+
+    def read_blocks(
+        self,
+        engine_id: str,
+        rank: int,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes,
+    ) -> TransferHandle:
+        return self.inner.read_blocks(engine_id, rank, local_block_ids, remote_block_ids, notif)
+
+    # -- connection ------------------------------------------------------------------------
+
+    def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
+        info = self.inner.connect(engine, routes)
+        if self._export is not None:
+            for rank in range(len(info.ranks)):
+                try:
+                    self.inner.send_notif(info.engine_id, rank, self._export)
+                except KvHandoffError as exc:
+                    log.warning("IPC export to %s rank %d not sent: %s", info.engine_id, rank, exc)
+        return info
+
+    def forget(self, engine_id: str) -> None:
+        with self._lock:
+            now = self.clock()
+            for inst in self.bus.instances(IPC_PEER):
+                if inst.ctx.key.rpartition("/")[0] == engine_id:
+                    self.bus.dispatch(IPC_PEER, inst.ctx.key, PeerForgotten(), now)
+        self.inner.forget(engine_id)
+
+    def _close_mappings(self, _inst: Any, effect: CloseMappings) -> None:
+        key = effect.key
+        self._fail_rank(key)
+        peer = self._mapped.pop(key, None)
+        if peer is not None:
+            peer.close()
+        self.bus.dispatch(IPC_PEER, key, MappingsClosed(), self.bus.now)
+
+    def _fail_rank(self, key: str) -> None:
+        for handle in self._queued.pop(key, []):
+            handle.xfer_status = "ERR"
+        for batch in [b for b in self._batches if b.key == key]:
+            batch.event.synchronize()  # never unmap under a running kernel
+            for handle in batch.handles:
+                handle.xfer_status = "ERR"
+            self._batches.remove(batch)
+
+    def path(self, engine_id: str, rank: int) -> Path:
+        """Which path WRITEs to this rank take now."""
+        with self._lock:
+            ready = self.bus.has_tag(IPC_PEER, f"{engine_id}/{rank}", "ipc_ready")
+            return "cuda_ipc" if ready else "nixl"
+
+    def _opened(self, engine_id: str, rank: int) -> OpenedPeer | None:
+        """The rank's mapping, opening D's export the first time (None: use NIXL)."""
+        key = f"{engine_id}/{rank}"
+        inst = self.bus.get(IPC_PEER, key)
+        if inst is not None and inst.has("ipc_ready"):
+            return self._mapped[key]
+        now = self.clock()
+        if inst is None:
+            info = self.inner.engine(engine_id)
+            offer = None if info is None else self._offers.get(info.agent(rank))
+            if offer is None:
+                return None  # no export (yet): NIXL, and ask again next time
+            inst = self.bus.create(IPC_PEER, IpcPeerCtx(key, offer), now)
+        if not inst.has("openable"):
+            return None
+        try:
+            from kvhandoff.adapters.cuda.ipc_peer import OpenedPeer
+
+            peer = OpenedPeer(decode_export(inst.ctx.export), self.inner.layout.slots, self.device)
+        except Exception as exc:  # any reason at all: this rank stays on NIXL
+            self.stats.refused_peers[key] = str(exc)
+            log.warning("CUDA IPC to %s rank %d refused, using NIXL: %s", engine_id, rank, exc)
+            self.bus.dispatch(IPC_PEER, key, MappingsRefused(str(exc)), now)
+            return None
+        self.stats.opened_peers += 1
+        self._mapped[key] = peer
+        self.bus.dispatch(IPC_PEER, key, MappingsOpened(), now)
+        return peer
+
+    # -- notifs ----------------------------------------------------------------------------
+
+    def get_new_notifs(self) -> list[tuple[str, bytes]]:
+        notifs = self.inner.get_new_notifs()
+        kept = []
+        for sender, message in notifs:
+            if message.startswith(IPC_EXPORT_PREFIX):
+                with self._lock:
+                    self._offers[sender] = message
+                    self._offer_again(sender, message)
+            else:
+                kept.append((sender, message))
+        if self._queued or self._batches:
+            with self._lock:
+                self._progress()
+        return kept
+
+    def _offer_again(self, sender: str, message: bytes) -> None:
+        """A live instance of the sender's rank hears of its new export."""
+        now = self.clock()
+        for inst in self.bus.instances(IPC_PEER):
+            engine_id, _, rank = inst.ctx.key.rpartition("/")
+            info = self.inner.engine(engine_id)
+            if info is None or int(rank) >= len(info.ranks) or info.agent(int(rank)) != sender:
+                continue
+            try:
+                self.bus.dispatch(IPC_PEER, inst.ctx.key, ExportOffered(message), now)
+            except RemoteProtocolError as exc:
+                log.warning("IPC export from %s not taken: %s", sender, exc)
+
+    # -- WRITEs ----------------------------------------------------------------------------
+
+    def write_blocks(
+        self,
+        engine_id: str,
+        rank: int,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
+    ) -> TransferHandle:
+        if local_chunk == WHOLE and remote_chunk == WHOLE:
+            with self._lock:
+                peer = self._opened(engine_id, rank)
+                if peer is not None:
+                    peer.check_ids(local_block_ids, remote_block_ids)
+                    handle = IpcHandle(
+                        engine_id, rank, tuple(local_block_ids), tuple(remote_block_ids), notif
+                    )
+                    key = f"{engine_id}/{rank}"
+                    queue = self._queued.setdefault(key, [])
+                    queue.append(handle)
+                    self.stats.ipc_writes += 1
+                    if self.launch_every and len(queue) >= self.launch_every:
+                        live = [h for h in queue if not h.released]
+                        queue.clear()
+                        self._launch(key, peer, live)
+                    return handle
+        self.stats.nixl_writes += 1
+        return self.inner.write_blocks(
+            engine_id,
+            rank,
+            local_block_ids,
+            remote_block_ids,
+            notif,
+            local_chunk=local_chunk,
+            remote_chunk=remote_chunk,
+        )
+
+    def poll(self, handle: TransferHandle) -> XferState:
+        if not isinstance(handle, IpcHandle):
+            return self.inner.poll(handle)
+        if handle.xfer_status == "PROC":
+            with self._lock:
+                self._progress()
+        return handle.xfer_status
+
+    def release(self, handle: TransferHandle) -> None:
+        if not isinstance(handle, IpcHandle):
+            self.inner.release(handle)
+            return
+        with self._lock:
+            handle.released = True
+            queued = self._queued.get(f"{handle.engine_id}/{handle.rank}", [])
+            if handle in queued:
+                queued.remove(handle)  # never launched: it never lands
+
+    def flush(self) -> None:
+        """Launch what is queued and send the notifs of finished launches."""
+        with self._lock:
+            self._progress()
+
+    def close(self) -> None:
+        """Stop the notifier thread (the transport itself stays usable)."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._notifier is not None:
+            self._notifier.join(timeout=10.0)
+
+    def _notify_loop(self) -> None:
+        """Send each batch's completion notifs as soon as its event fired, without
+        waiting for the engine's next `poll` (the wait releases the GIL)."""
+        while True:
+            with self._lock:
+                while not self._batches and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                batch = self._batches[0]
+            batch.event.synchronize()
+            with self._lock:
+                if self._batches and self._batches[0] is batch:
+                    self._batches.pop(0)
+                    self._complete(batch)
+
+    def _progress(self) -> None:
+        for key in list(self._queued):
+            handles = [h for h in self._queued.pop(key) if not h.released]
+            peer = self._mapped.get(key)
+            if handles and peer is not None:
+                self._launch(key, peer, handles)
+        while self._batches and self._batches[0].event.query():  # type: ignore[no-untyped-call]
+            self._complete(self._batches.pop(0))
+
+    def _complete(self, batch: _Batch) -> None:
+        for handle in batch.handles:
+            if handle.released:
+                continue
+            try:
+                self.inner.send_notif(handle.engine_id, handle.rank, handle.notif)
+            except KvHandoffError as exc:
+                log.warning("completion notif after an IPC WRITE not sent: %s", exc)
+                handle.xfer_status = "ERR"
+            else:
+                handle.xfer_status = "DONE"
+
+    def _launch(self, key: str, peer: OpenedPeer, handles: list[IpcHandle]) -> None:
+        import torch
+
+        if not handles:
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(peer.device)  # type: ignore[no-untyped-call]
+        stream = self._stream
+        local = [b for h in handles for b in h.local_ids]
+        remote = [b for h in handles for b in h.remote_ids]
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.device(peer.device), torch.cuda.stream(stream):
+            # P's KV was written on the engine's stream: copy only after it.
+            stream.wait_stream(torch.cuda.default_stream(peer.device))
+            try:
+                peer.launch(local, remote)
+            except (RuntimeError, IpcError) as exc:
+                log.warning("IPC gather-scatter launch failed: %s", exc)
+                for handle in handles:
+                    handle.xfer_status = "ERR"
+                return
+            event.record(stream)
+        self.stats.launches += 1
+        self._batches.append(_Batch(key, event, handles))
+        if self._use_notifier:
+            if self._notifier is None:
+                self._notifier = threading.Thread(
+                    target=self._notify_loop, name="kvhandoff-ipc-notifier", daemon=True
+                )
+                self._notifier.start()
+            self._wake.notify()

@@ -1,0 +1,50 @@
+"""`python -m kvhandoff.bench.probes.push_ipc_sweep`: the CLI's CUDA push bench over the
+CUDA IPC transport at several `ipc_launch_every` values (issue 18), one JSON line each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from kvhandoff.bench.push import config_for, run_push_bench
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--launch-every", default="0,8,32", help="0: one launch per pass")
+    parser.add_argument("--notifier", default="0,1", help="notifier thread off (0) / on (1)")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    variants = [
+        (int(every), notifier == "1")
+        for every in args.launch_every.split(",")
+        for notifier in args.notifier.split(",")
+    ]
+    for every, notifier in variants:
+        cfg = replace(
+            config_for("cuda", False, "cuda_ipc"),
+            ipc_launch_every=every,
+            ipc_notifier=notifier,
+            reps=args.reps,
+        )
+        result = run_push_bench(cfg, lambda line: print(line, file=sys.stderr))
+        keep = ("framework_gbps", "baseline_gbps", "ratio", "path", "latency_ms", "p_counters")
+        print(
+            json.dumps(
+                {
+                    "launch_every": every,
+                    "notifier": notifier,
+                    **{k: result[k] for k in keep},
+                    "verified": result["framework_verified"] and result["baseline_verified"],
+                    "phases": result["framework_phases_ms"][-1],
+                }
+            ),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""D request lifecycle on the scheduler: the engine's view of one receive (R-P02, R-P10,
+R-T02).
+
+One instance per decode request, keyed by D's request id, on the scheduler's bus. The
+scheduler shares no object with the worker ranks (R-T01): it hands the registration down
+in the step's metadata and learns each rank's outcome from the rank's output.
+
+- `update_state_after_alloc` stashes the registration and arms the watchdog (R-P02,
+  R-P10); `build_connector_meta` drains it (`awaiting`): from then on the request gets
+  heartbeats (vLLM 0.33: they start when D enqueues it).
+- Every participating rank reports its part: received, or failed. The request is
+  reported only when every rank reported (R-T02): received if they all received, failed
+  with its blocks invalid if any failed. A rank that reports twice is counted and ignored.
+- Pull mode (B-09): a rank that posted its READ stops the watchdog (`transferring`): the
+  READ runs to its end under its own timeout, so the engine never frees blocks a READ
+  writes into.
+- The watchdog (or the engine's abort path) ends the request in two steps: the next
+  metadata tells every rank to drop it (`ending`), and only when every rank has dropped it
+  does it end (`expired` / `aborted`, `unreported`: the engine's abort path fails it,
+  R-P10). It is never re-sent.
+
+Tags: `drainable` (the next metadata carries it), `needs_heartbeat` (D keeps P's lease
+alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable`, `ending`
+(the metadata tells the ranks to drop it), `unreported` (ended without a report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvhandoff.machines.push.effects import ReportFailedRecving, ReportFinishedRecving, Warn
+from kvhandoff.machines.push.events import (
+    Abort,
+    Drained,
+    RankEnded,
+    RankPosted,
+    RankReceived,
+    RankRecvFailed,
+    WatchdogExpired,
+)
+from kvhandoff.machines.runtime.declaration import Declaration, Timeout
+from kvhandoff.machines.runtime.effects import Effect, Metric
+from kvhandoff.protocol.legs import PullSource
+from kvhandoff.protocol.push_wire import PushRegistration
+
+
+@dataclass(slots=True)
+class DRequestCtx:
+    key: str
+    block_ids: tuple[int, ...]
+    ranks: int = 1
+    heartbeat_engine: str = ""
+    """The P engine whose lease this request keeps alive."""
+    heartbeat_id: str = ""
+    """The id P knows the request by in heartbeats (D's own in push, P's in pull)."""
+    registration: PushRegistration | None = None
+    """Push: the registration every rank sends (each with its own rank)."""
+    source: PullSource | None = None
+    """Pull: where the ranks read from."""
+    reported: set[int] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
+WATCHDOG = Timeout("push_registration_timeout", "expiring", WatchdogExpired, action="give_up")
+
+RankReport = RankReceived | RankRecvFailed
+
+
+def repeated(ctx: DRequestCtx, event: RankReport | RankEnded) -> bool:
+    return event.rank in ctx.reported
+
+
+def last(ctx: DRequestCtx, event: RankReport | RankEnded) -> bool:
+    return len(ctx.reported | {event.rank}) >= ctx.ranks
+
+
+def all_received(ctx: DRequestCtx, event: RankReceived) -> bool:
+    return not ctx.failures
+
+
+def record(ctx: DRequestCtx, event: RankReport | RankEnded) -> None:
+    ctx.reported.add(event.rank)
+    if isinstance(event, RankRecvFailed):
+        ctx.failures.append(event.reason or "push receive failed")
+
+
+def count_repeat(ctx: DRequestCtx, event: RankReport | RankEnded) -> list[Effect]:
+    return [Metric("push.scheduler.duplicate_reports")]
+
+
+def finish(ctx: DRequestCtx, event: RankReceived) -> list[Effect]:
+    record(ctx, event)
+    return [ReportFinishedRecving(ctx.key), Metric("push.d.received")]
+
+
+def fail(ctx: DRequestCtx, event: RankReport) -> list[Effect]:
+    record(ctx, event)
+    reason = "; ".join(dict.fromkeys(ctx.failures))
+    return [ReportFailedRecving(ctx.key, ctx.block_ids, reason), Metric("push.d.failed_recv")]
+
+
+def give_up(ctx: DRequestCtx, event: WatchdogExpired) -> list[Effect]:
+    ctx.reported.clear()
+    return [
+        Warn(ctx.key, "push registration watchdog expired; dropped, not re-sent"),
+        Metric("push.d.watchdog_expired"),
+    ]
+
+
+def abort(ctx: DRequestCtx, event: Abort) -> None:
+    ctx.reported.clear()
+
+
+_WAITING = ["awaiting", "transferring"]
+
+
+def _reports(trigger: type[RankReport]) -> list[dict[str, object]]:
+    """A rank's report: a duplicate changes nothing; the last one ends the request,
+    received only if no rank failed."""
+    rows: list[dict[str, object]] = [
+        {"conditions": "repeated", "dest": None, "after": "count_repeat"},
+    ]
+    if trigger is RankReceived:
+        rows.append(
+            {
+                "conditions": ["last", "all_received"],
+                "unless": "repeated",
+                "dest": "received",
+                "after": "finish",
+            }
+        )
+        rows.append(
+            {
+                "conditions": "last",
+                "unless": ["repeated", "all_received"],
+                "dest": "failed",
+                "after": "fail",
+            }
+        )
+    else:
+        rows.append({"conditions": "last", "unless": "repeated", "dest": "failed", "after": "fail"})
+    rows.append({"dest": None, "after": "record"})
+    return [{"trigger": trigger, "source": _WAITING, **row} for row in rows]
+
+
+def _acks(source: str, dest: str) -> list[dict[str, object]]:
+    """A rank dropped the ended request; when every rank did, it ends."""
+    return [
+        {
+            "trigger": RankEnded,
+            "source": source,
+            "dest": None,
+            "conditions": "repeated",
+            "after": "count_repeat",
+        },
+        {
+            "trigger": RankEnded,
+            "source": source,
+            "dest": dest,
+            "conditions": "last",
+            "unless": "repeated",
+        },
+        {"trigger": RankEnded, "source": source, "dest": None, "after": "record"},
+    ]
+
+
+D_REQUEST: Declaration[DRequestCtx] = Declaration(
+    name="push.d_request",
+    description=__doc__ or "",
+    states=[
+        {"name": "stashed", "timeout": WATCHDOG, "tags": ("drainable", "abortable")},
+        {
+            "name": "awaiting",
+            "timeout": WATCHDOG,
+            "tags": ("needs_heartbeat", "awaiting_ranks", "abortable"),
+        },
+        {"name": "transferring", "tags": ("needs_heartbeat", "awaiting_ranks")},
+        {"name": "expiring", "tags": ("ending",)},
+        {"name": "aborting", "tags": ("ending",)},
+        {"name": "received", "final": True},
+        {"name": "failed", "final": True},
+        {"name": "expired", "final": True, "tags": ("unreported",)},
+        {"name": "aborted", "final": True, "tags": ("unreported",)},
+    ],
+    initial="stashed",
+    transitions=[
+        {"trigger": Drained, "source": "stashed", "dest": "awaiting"},
+        {"trigger": RankPosted, "source": "awaiting", "dest": "transferring"},
+        *_reports(RankReceived),
+        *_reports(RankRecvFailed),
+        {"trigger": Abort, "source": ["stashed", "awaiting"], "dest": "aborting", "after": "abort"},
+        *_acks("expiring", "expired"),
+        *_acks("aborting", "aborted"),
+    ],
+    ignore=[
+        # A rank that finished its part before it heard the request ended.
+        *((s, e) for s in ("expiring", "aborting") for e in (RankReceived, RankRecvFailed)),
+        *((s, RankPosted) for s in ("transferring", "expiring", "aborting")),
+    ],
+    callbacks={
+        "repeated": repeated,
+        "last": last,
+        "all_received": all_received,
+        "record": record,
+        "count_repeat": count_repeat,
+        "finish": finish,
+        "fail": fail,
+        "give_up": give_up,
+        "abort": abort,
+    },
+    config_defaults={"push_registration_timeout": 480.0},
+    context=DRequestCtx,
+)

@@ -1,0 +1,197 @@
+"""Push on the engine's real topology (issue 14): per engine, the scheduler and two worker
+ranks each in its own OS process, over real NIXL and ZMQ (R-T01..R-T04, S-05).
+
+Six processes: P's scheduler and two ranks, D's scheduler and two ranks
+(`helpers/push_proc.py`). Each rank has its own NIXL agent, KV memory, writer thread and
+handshake executor; each scheduler serves its engine's handshake (every rank's payload)
+on its side channel. The test process is the engines' step loops: it relays only the
+msgspec records an engine passes between its processes (the scheduler's
+`PushConnectorMeta` to every rank, each rank's `PushWorkerOutput` back), as hex lines.
+
+Topologies: P TP 2 -> D TP 2 (with and without the cluster key, which seals every
+control notif between the processes, S-05), and a pipeline-parallel producer, P TP 1 x
+PP 2 -> D TP 2: each stage holds half the layers and registers as its own rank, D's
+`PUSH_REG` goes to both stages, each stage WRITEs one half of its heads into each D rank
+(R-T03, R-T04). Every head chunk of every layer of every block carries its own pattern,
+so D rank r must hold exactly the heads vLLM's rank mapping sends it, from every stage;
+D reports a request only after both of its ranks received it from every writer (R-T02).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvhandoff.machines.push.meta import PushConnectorOutput
+from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+
+pytestmark = pytest.mark.integration
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+REQUESTS = 6
+DEADLINE_S = 60.0
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"kvh_helpers_{name}", HELPERS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+child_mod = _load("child")
+
+
+class Engine:
+    """One engine: a scheduler process and `TP` rank processes, stepped by the test."""
+
+    def __init__(self, role: str, engine_id: str, config: dict[str, Any], tmp: Path) -> None:
+        self.role = role
+        self.engine_id = engine_id
+        self.tp, self.pp = int(config.get("tp_size", 1)), int(config.get("pp_size", 1))
+        raw = json.dumps(config, separators=(",", ":"))
+        self.children: list[Any] = []
+
+        def spawn(*args: str) -> Any:
+            err = tmp / f"{engine_id}-{args[0]}{len(self.children)}-{uuid.uuid4().hex[:6]}.err"
+            child = child_mod.Child("push_proc.py", *args, stderr_path=err)
+            self.children.append(child)
+            return child
+
+        world = int(config.get("tp_size", 1)) * int(config.get("pp_size", 1))
+        self.ranks = [spawn("rank", role, engine_id, str(r), raw) for r in range(world)]
+        self.scheduler = spawn("scheduler", role, engine_id, raw)
+        payloads = []
+        for rank in self.ranks:
+            ready = rank.expect(120.0)
+            assert ready.startswith("READY "), rank.stderr()
+            payloads.append(ready.split(" ", 1)[1])
+        assert self.scheduler.expect(60.0) == "READY", self.scheduler.stderr()
+        self.port = int(self.scheduler.request("SERVE " + ",".join(payloads), 60.0))
+
+    def command(self, line: str) -> None:
+        assert self.scheduler.request(line, 30.0) == "OK", self.scheduler.stderr()
+
+    def step(self) -> PushConnectorOutput:
+        """build_connector_meta -> every rank's step -> update_connector_output."""
+        meta = self.scheduler.request("META", 30.0)
+        assert not meta.startswith("ERROR"), meta
+        for rank in self.ranks:
+            rank.send("STEP " + meta)
+        outputs = [rank.expect(60.0) for rank in self.ranks]
+        raw = self.scheduler.request("OUTPUTS " + ",".join(outputs), 30.0)
+        return msgspec.msgpack.decode(bytes.fromhex(raw), type=PushConnectorOutput)
+
+    def on_ranks(self, line: str) -> list[str]:
+        return [rank.request(line, 60.0) for rank in self.ranks]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [json.loads(answer) for answer in self.on_ranks("STATS")]
+
+    def logs(self) -> list[str]:
+        """What each process logged (for a failure message)."""
+        return [child.stderr()[-1500:] for child in self.children]
+
+    def pending(self) -> bool:
+        return bool(self.scheduler.request("PENDING", 30.0) == "1")
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
+    """P TP x PP and D TP, two ranks on each side, with or without the cluster key."""
+    (p_tp, p_pp, d_tp), keyed = request.param
+    common: dict[str, Any] = {"heartbeat_interval": 0.5}
+    if keyed:
+        common["cluster_key"] = "topology-test-cluster-key-0123"
+    p_config = {**common, "tp_size": p_tp, "pp_size": p_pp, "peer_tp": d_tp}
+    d_config = {**common, "tp_size": d_tp, "peer_tp": p_tp}
+    made: list[Engine] = []
+    try:
+        tag = uuid.uuid4().hex[:6]
+        made.append(Engine("prefill", f"prefill-{tag}", p_config, tmp_path))
+        made.append(Engine("decode", f"decode-{tag}", d_config, tmp_path))
+        yield made[0], made[1]
+    finally:
+        for engine in made:
+            engine.close()
+
+
+TOPOLOGIES = [
+    pytest.param(((2, 1, 2), False), id="P-tp2-D-tp2"),
+    pytest.param(((2, 1, 2), True), id="P-tp2-D-tp2-keyed"),
+    pytest.param(((1, 2, 2), False), id="P-pp2-D-tp2"),
+]
+
+
+@pytest.mark.parametrize("engines", TOPOLOGIES, indirect=True)
+def test_R_T01_R_T02_R_T03_R_T04_S_05_scheduler_and_two_ranks_per_engine_in_six_processes(
+    engines: tuple[Engine, Engine],
+) -> None:
+    p, d = engines
+    coords = PrefillCoordinates(p.engine_id, "127.0.0.1", p.port, p.tp, p.pp)
+    params = json.dumps(decode_leg({}, coords)["kv_transfer_params"], separators=(",", ":"))
+    received: set[str] = set()
+    failed: dict[str, str] = {}
+    sent: set[str] = set()
+
+    def take(engine: Engine) -> None:
+        out = engine.step()
+        assert not received & out.finished_recving, "a receive is reported once"
+        assert not sent & out.finished_sending, "a lease is freed once"
+        received.update(out.finished_recving)
+        failed.update(out.failed_recving)
+        sent.update(out.finished_sending)
+
+    blocks: dict[str, tuple[str, str]] = {}  # D request id -> (client, D's block ids)
+    p_ids: dict[str, str] = {}  # P request id -> P's block ids
+    for i in range(REQUESTS):
+        client = f"cmpl-topo{i:02d}-0"
+        n = 1 + i % 4
+        p_blocks = ",".join(str(10 * i + k) for k in range(n))
+        d_blocks = ",".join(str(100 + 10 * i + k) for k in range(n))
+        assert p.on_ranks(f"FILL {client} {p_blocks}") == ["OK"] * len(p.ranks)
+        assert d.on_ranks(f"CLEAR {d_blocks}") == ["OK"] * len(d.ranks)
+        d_id, p_id = f"{client}-dddd{i:04d}", f"{client}-aaaa{i:04d}"
+        blocks[d_id] = (client, d_blocks)
+        p_ids[p_id] = p_blocks
+        # Half the requests reach D first (PUSH_REG waits on P), half reach P first.
+        order = (d, p) if i % 2 == 0 else (p, d)
+        for engine in order:
+            if engine is d:
+                d.command(f"ALLOC {d_id} {d_blocks} {params}")
+            else:
+                p.command(f'FINISHED {p_id} {p_blocks} {{"do_remote_decode":true}}')
+            take(engine)
+
+    deadline = time.monotonic() + DEADLINE_S
+    while len(received) + len(failed) < REQUESTS or len(sent) < REQUESTS:
+        assert time.monotonic() < deadline, (received, failed, sent, p.logs(), d.logs())
+        take(d)
+        take(p)
+        time.sleep(0.002)  # yield the two cores to the six processes between steps
+
+    assert failed == {}, failed
+    assert received == set(blocks) and sent == set(p_ids)
+    for client, d_blocks in blocks.values():
+        assert d.on_ranks(f"VERIFY {client} {d_blocks}") == ["OK"] * len(d.ranks), client
+    for engine in (p, d):
+        assert not engine.pending()
+        for stats in engine.stats():
+            assert stats["writer_alive"] and stats["writer_errors"] == 0, stats
+            assert stats["failed_transfers"] == 0 and stats["live"] == 0, stats
+            if engine is d:  # (P may refuse a heartbeat for a lease it already freed)
+                assert stats["rejected_notifs"] == 0, stats
