@@ -59,7 +59,7 @@ specs-check: install
 unit: install
 	$(BIN)/pytest -q -rs
 
-test: lint typecheck specs-check docs unit vllm-tier
+test: lint typecheck specs-check docs vllm-env unit vllm-tier
 
 # Coverage-guided fuzzing of every decoder (atheris), 1,000,000 inputs; not part of CI.
 fuzz: install

@@ -1,0 +1,258 @@
+"""kvhandoff's push connector inside vLLM 0.33's real Scheduler (C-05, R-T01): vLLM loads
+it by module path for both roles, drives D's request through its hooks into
+WAITING_FOR_REMOTE_KVS, and the per-step metadata it gets back is a msgspec payload that
+survives a msgpack round trip; the worker half takes it in another process."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvhandoff.machines.push.d_request import D_REQUEST
+from kvhandoff.machines.push.meta import PushConnectorMeta
+from kvhandoff.machines.push.p_request import P_REQUEST
+
+import vllm_harness
+
+MODULE = "kvhandoff.integrations.vllm"
+P_ENGINE = {
+    "remote_engine_id": "prefill-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,  # vLLM's name for P's TP size
+}
+
+
+def _scheduler(model_dir: Path, kv_role: str) -> Any:
+    config = vllm_harness.vllm_config(
+        model_dir,
+        kv_connector="KVHandoffConnector",
+        kv_connector_module_path=MODULE,
+        kv_role=kv_role,
+        extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": 5700},
+    )
+    return vllm_harness.scheduler(config)
+
+
+def _request(
+    request_id: str, prompt_len: int, params: dict[str, Any] | None, max_tokens: int = 4
+) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sampling = SamplingParams(max_tokens=max_tokens, extra_args=extra)
+    return Request(request_id, list(range(3, 3 + prompt_len)), sampling, None)
+
+
+def _decode_leg() -> dict[str, Any]:
+    return {"do_remote_prefill": True, "do_remote_decode": False, **P_ENGINE}
+
+
+@pytest.mark.parametrize(
+    ("kv_role", "side"), [("kv_producer", "prefill"), ("kv_consumer", "decode")]
+)
+def test_C_05_vllm_loads_kvhandoff_connector_for_both_roles(
+    tiny_model_dir: Path, kv_role: str, side: str
+) -> None:
+    from kvhandoff.integrations.vllm import KVHandoffConnector
+
+    sched = _scheduler(tiny_model_dir, kv_role)
+    connector = sched.connector
+    assert isinstance(connector, KVHandoffConnector)
+    assert connector.scheduler is not None and connector.scheduler.role == side
+    assert connector.rank is None  # the scheduler role owns no worker state
+
+
+def test_C_05_decode_request_waits_for_remote_kvs_and_registers(tiny_model_dir: Path) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.integrations.vllm import KVHandoffConnectorMetadata
+
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    request = _request("cmpl-d-1", 3 * vllm_harness.BLOCK_SIZE, _decode_leg())
+    sched.add_request(request)
+    output = sched.schedule()
+
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    meta = output.kv_connector_metadata
+    assert isinstance(meta, KVHandoffConnectorMetadata)
+    registration = meta.push.push_registrations["cmpl-d-1"]
+    assert len(registration.block_ids) == 3
+    assert registration.remote_engine_id == "prefill-0"
+    assert registration.remote_tp_size == 1  # read from vLLM's `tp_size`
+    assert registration.decode_port == 5700
+    assert sched.connector.has_pending_push_work()
+
+
+def test_R_T01_connector_metadata_survives_a_msgpack_round_trip(tiny_model_dir: Path) -> None:
+    """The scheduler and worker halves share nothing: the payload is bytes in between."""
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    sched.add_request(_request("cmpl-d-2", 2 * vllm_harness.BLOCK_SIZE, _decode_leg()))
+    meta = sched.schedule().kv_connector_metadata.push
+    wire = msgspec.msgpack.encode(meta)
+    again = msgspec.msgpack.decode(wire, type=PushConnectorMeta)
+    assert again == meta
+    assert set(again.push_registrations) == {"cmpl-d-2"}
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_C_05_request_without_transfer_params_creates_no_state(
+    tiny_model_dir: Path, kv_role: str
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    sched = _scheduler(tiny_model_dir, kv_role)
+    request = _request("cmpl-plain", vllm_harness.BLOCK_SIZE, None)
+    sched.add_request(request)
+    output = sched.schedule()
+
+    assert request.status == RequestStatus.RUNNING
+    push = output.kv_connector_metadata.push
+    assert push.push_registrations == {} and push.push_finished_blocks == {}
+    bus = sched.connector.scheduler.bus
+    assert bus.counters(D_REQUEST).created == 0 and bus.counters(P_REQUEST).created == 0
+    assert not sched.connector.has_pending_push_work()
+
+
+def _worker_side(model_dir: str, wire: bytes, queue: Any) -> None:
+    """A worker-role connector in its own process: it knows only the metadata's bytes."""
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffConnectorMetadata
+
+    config = vllm_harness.vllm_config(
+        Path(model_dir),
+        kv_connector="KVHandoffConnector",
+        kv_connector_module_path=MODULE,
+        kv_role="kv_consumer",
+    )
+    worker = KVHandoffConnector(config, KVConnectorRole.WORKER, vllm_harness.kv_cache_config())
+    push = msgspec.msgpack.decode(wire, type=PushConnectorMeta)
+    worker.bind_connector_metadata(KVHandoffConnectorMetadata(push))
+    worker.start_load_kv(None)
+    seen = worker._get_connector_metadata().push
+    worker.clear_connector_metadata()
+    queue.put(
+        (
+            worker.scheduler is None,
+            sorted(seen.push_registrations),
+            [list(r.block_ids) for r in seen.push_registrations.values()],
+            worker.get_finished(set()),
+        )
+    )
+
+
+def test_R_T01_worker_role_in_another_process_receives_the_metadata(
+    tiny_model_dir: Path,
+) -> None:
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    sched.add_request(_request("cmpl-d-3", 2 * vllm_harness.BLOCK_SIZE, _decode_leg()))
+    meta = sched.schedule().kv_connector_metadata.push
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(
+        target=_worker_side, args=(str(tiny_model_dir), msgspec.msgpack.encode(meta), queue)
+    )
+    child.start()
+    result = queue.get(timeout=240)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    no_scheduler, request_ids, blocks, finished = result
+    assert no_scheduler
+    assert request_ids == ["cmpl-d-3"]
+    assert blocks == [list(meta.push_registrations["cmpl-d-3"].block_ids)]
+    assert finished == (None, None)  # no rank transport attached in this slice
+
+
+def _one_token(output: Any, request_ids: list[str], kv_output: Any = None) -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=request_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(request_ids)},
+        sampled_token_ids=[[7] for _ in request_ids],
+        kv_connector_output=kv_output,
+    )
+
+
+def test_C_05_prefill_leg_is_leased_on_finish_then_freed_on_finished_sending(
+    tiny_model_dir: Path,
+) -> None:
+    """P: vLLM's real Scheduler keeps a finished prefill leg's blocks (request_finished says
+    delay), the next step's metadata hands them to the ranks, and the ranks' report of the
+    send (one PushWorkerOutput per rank, carried in the worker metadata) lets vLLM free them."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvhandoff.integrations.vllm import KVHandoffWorkerMetadata
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    sched = _scheduler(tiny_model_dir, "kv_producer")
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    request = _request("cmpl-p-1", 2 * vllm_harness.BLOCK_SIZE, params, max_tokens=1)
+    sched.add_request(request)
+    first = sched.schedule()
+    sched.update_from_output(first, _one_token(first, ["cmpl-p-1"]))
+
+    assert request.is_finished()
+    assert sched.connector.has_pending_push_work()
+    second = sched.schedule()
+    blocks = second.kv_connector_metadata.push.push_finished_blocks["cmpl-p-1"]
+    assert len(blocks) == 2
+    assert pool.get_num_free_blocks() < free_before  # leased, not freed
+
+    report = PushWorkerOutput(
+        rank=0, step=second.kv_connector_metadata.push.step, finished_sending=("cmpl-p-1",)
+    )
+    kv_output = KVConnectorOutput(
+        finished_sending={"cmpl-p-1"},
+        kv_connector_worker_meta=KVHandoffWorkerMetadata([report]),
+    )
+    sched.update_from_output(second, _one_token(second, [], kv_output))
+    assert not sched.connector.has_pending_push_work()
+    assert pool.get_num_free_blocks() == free_before
+
+
+def test_R_T02_decode_leg_runs_once_every_rank_reported_the_receive(tiny_model_dir: Path) -> None:
+    """D: the rank's report (worker metadata) ends kvhandoff's request, vLLM's
+    finished_recving moves it out of WAITING_FOR_REMOTE_KVS; vLLM's second
+    update_state_after_alloc (0 external tokens) creates nothing."""
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.integrations.vllm import KVHandoffWorkerMetadata
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    request = _request("cmpl-d-4", 2 * vllm_harness.BLOCK_SIZE, _decode_leg())
+    sched.add_request(request)
+    first = sched.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step = first.kv_connector_metadata.push.step
+    report = PushWorkerOutput(rank=0, step=step, posted=("cmpl-d-4",))
+    done = PushWorkerOutput(rank=0, step=step + 1, finished_recving=("cmpl-d-4",))
+    sched.update_from_output(
+        first,
+        _one_token(
+            first, [], KVConnectorOutput(kv_connector_worker_meta=KVHandoffWorkerMetadata([report]))
+        ),
+    )
+    second = sched.schedule()
+    kv_output = KVConnectorOutput(
+        finished_recving={"cmpl-d-4"}, kv_connector_worker_meta=KVHandoffWorkerMetadata([done])
+    )
+    sched.update_from_output(second, _one_token(second, [], kv_output))
+    assert not sched.connector.has_pending_push_work()
+    third = sched.schedule()
+    assert request.status == RequestStatus.RUNNING
+    assert third.kv_connector_metadata.push.push_registrations == {}
+    assert sched.connector.scheduler.bus.counters(D_REQUEST).created == 1
