@@ -18,6 +18,9 @@ from kvhandoff.machines.push.p_request import P_REQUEST
 
 import vllm_harness
 
+_one_token = vllm_harness.one_token
+_worker_step = vllm_harness.worker_step
+
 MODULE = "kvhandoff.integrations.vllm"
 P_ENGINE = {
     "remote_engine_id": "prefill-0",
@@ -27,13 +30,14 @@ P_ENGINE = {
 }
 
 
-def _scheduler(model_dir: Path, kv_role: str) -> Any:
+def _scheduler(model_dir: Path, kv_role: str, failure_policy: str = "fail") -> Any:
     config = vllm_harness.vllm_config(
         model_dir,
         kv_connector="KVHandoffConnector",
         kv_connector_module_path=MODULE,
         kv_role=kv_role,
         extra_config={"side_channel_host": "127.0.0.1", "side_channel_port": 5700},
+        kv_load_failure_policy=failure_policy,
     )
     return vllm_harness.scheduler(config)
 
@@ -172,17 +176,6 @@ def test_R_T01_worker_role_in_another_process_receives_the_metadata(
     assert finished == (None, None)  # no rank transport attached in this slice
 
 
-def _one_token(output: Any, request_ids: list[str], kv_output: Any = None) -> Any:
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    return ModelRunnerOutput(
-        req_ids=request_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(request_ids)},
-        sampled_token_ids=[[7] for _ in request_ids],
-        kv_connector_output=kv_output,
-    )
-
-
 def test_C_05_prefill_leg_is_leased_on_finish_then_freed_on_finished_sending(
     tiny_model_dir: Path,
 ) -> None:
@@ -256,3 +249,250 @@ def test_R_T02_decode_leg_runs_once_every_rank_reported_the_receive(tiny_model_d
     assert request.status == RequestStatus.RUNNING
     assert third.kv_connector_metadata.push.push_registrations == {}
     assert sched.connector.scheduler.bus.counters(D_REQUEST).created == 1
+
+
+def _worker(model_dir: Path) -> tuple[Any, vllm_harness.StubRank]:
+    """A worker-role connector in this process, its rank a scripted stub."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvhandoff.integrations.vllm import KVHandoffConnector
+
+    config = vllm_harness.vllm_config(
+        model_dir,
+        kv_connector="KVHandoffConnector",
+        kv_connector_module_path=MODULE,
+        kv_role="kv_consumer",
+    )
+    worker = KVHandoffConnector(config, KVConnectorRole.WORKER, vllm_harness.kv_cache_config())
+    rank = vllm_harness.StubRank()
+    worker.rank = rank
+    return worker, rank
+
+
+def test_R_P10_abort_on_d_while_waiting_ends_the_request_and_frees_every_block(
+    tiny_model_dir: Path,
+) -> None:
+    """vLLM aborts a D request in WAITING_FOR_REMOTE_KVS: the connector aborts it in
+    kvhandoff, the next metadata tells the ranks to drop it, and once every rank dropped it
+    the scheduler half passes it to vLLM as a finished receive (vLLM held the blocks until
+    then): every block is free; a
+    late report for the request afterwards is dropped by the connector, not asserted on by
+    vLLM (R-T02)."""
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    worker, rank = _worker(tiny_model_dir)
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    request = _request("cmpl-d-abort", 2 * vllm_harness.BLOCK_SIZE, _decode_leg())
+    sched.add_request(request)
+    first = sched.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    posted = PushWorkerOutput(rank=0, step=first.kv_connector_metadata.push.step)
+    kv_output = _worker_step(worker, rank, first, posted)
+    sched.update_from_output(first, _one_token(first, [], kv_output))
+
+    sched.finish_requests("cmpl-d-abort", RequestStatus.FINISHED_ABORTED)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert "cmpl-d-abort" in sched.requests  # vLLM holds the blocks until the ranks let go
+    assert pool.get_num_free_blocks() < free_before
+
+    second = sched.schedule()
+    step = second.kv_connector_metadata.push.step
+    assert second.kv_connector_metadata.push.ended == ("cmpl-d-abort",)
+    dropped = PushWorkerOutput(rank=0, step=step, ended=("cmpl-d-abort",))
+    kv_output = _worker_step(worker, rank, second, dropped)
+    assert not kv_output.finished_recving  # the scheduler half tells vLLM (R-T02)
+    sched.update_from_output(second, _one_token(second, [], kv_output))
+    assert "cmpl-d-abort" not in sched.requests
+    assert pool.get_num_free_blocks() == free_before
+    assert not sched.connector.has_pending_push_work()
+
+    # A rank that finished the receive before it heard of the abort reports it late.
+    third = sched.schedule()
+    late = PushWorkerOutput(
+        rank=0, step=third.kv_connector_metadata.push.step, finished_recving=("cmpl-d-abort",)
+    )
+    late_output = _worker_step(worker, rank, third, late)
+    assert late_output.finished_recving == {"cmpl-d-abort"}
+    sched.update_from_output(third, _one_token(third, [], late_output))  # vLLM does not assert
+    assert sched.connector.dropped_reports == 1
+    assert pool.get_num_free_blocks() == free_before
+    assert not sched.requests
+
+
+def test_R_P12_failed_receive_ends_the_request_with_finished_error_and_frees_every_block(
+    tiny_model_dir: Path,
+) -> None:
+    """A rank reports a failed receive: the worker-role connector reports the request as
+    finished and failed, with its blocks as load errors, in the same step; under vLLM's
+    default `kv_load_failure_policy="fail"` the Scheduler ends it FINISHED_ERROR and frees
+    every block. kvhandoff's machines end it too once the rank drops it."""
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    assert sched.vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
+    worker, rank = _worker(tiny_model_dir)
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    request = _request("cmpl-d-fail", 2 * vllm_harness.BLOCK_SIZE, _decode_leg())
+    sched.add_request(request)
+    first = sched.schedule()
+    blocks = set(first.kv_connector_metadata.push.push_registrations["cmpl-d-fail"].block_ids)
+    failed = PushWorkerOutput(
+        rank=0,
+        step=first.kv_connector_metadata.push.step,
+        failed_recving={"cmpl-d-fail": "transfer_error"},
+    )
+    kv_output = _worker_step(worker, rank, first, failed)
+    assert kv_output.finished_recving == {"cmpl-d-fail"}
+    assert kv_output.failed_recving == {"cmpl-d-fail"}
+    assert kv_output.invalid_block_ids == blocks
+    engine_outputs = sched.update_from_output(first, _one_token(first, [], kv_output))
+
+    assert request.status == RequestStatus.FINISHED_ERROR
+    finished = [o for outs in engine_outputs.values() for o in outs.outputs]
+    assert [o.request_id for o in finished] == ["cmpl-d-fail"]
+    assert "cmpl-d-fail" not in sched.requests
+    assert pool.get_num_free_blocks() == free_before
+
+    # kvhandoff aborted it when vLLM ended it: the ranks drop it, their drop is not
+    # reported to vLLM a second time.
+    second = sched.schedule()
+    assert second.kv_connector_metadata.push.ended == ("cmpl-d-fail",)
+    dropped = PushWorkerOutput(
+        rank=0, step=second.kv_connector_metadata.push.step, ended=("cmpl-d-fail",)
+    )
+    sched.update_from_output(
+        second, _one_token(second, [], _worker_step(worker, rank, second, dropped))
+    )
+    assert not sched.connector.has_pending_push_work()
+    assert sched.connector.dropped_reports == 0  # vLLM never hears of the drop
+    assert pool.get_num_free_blocks() == free_before
+
+
+def test_R_P12_failed_receive_is_recomputed_under_the_recompute_policy(
+    tiny_model_dir: Path,
+) -> None:
+    """Under `kv_load_failure_policy="recompute"` the same failed receive sends the request
+    back to WAITING with nothing computed: vLLM prefills it locally (the connector does not
+    ask P again), it runs to the end, and every block is free."""
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.machines.push.d_request import D_REQUEST
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    prompt_len = 2 * vllm_harness.BLOCK_SIZE
+    sched = _scheduler(tiny_model_dir, "kv_consumer", failure_policy="recompute")
+    worker, rank = _worker(tiny_model_dir)
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    request = _request("cmpl-d-redo", prompt_len, _decode_leg(), max_tokens=1)
+    sched.add_request(request)
+    first = sched.schedule()
+    failed = PushWorkerOutput(
+        rank=0,
+        step=first.kv_connector_metadata.push.step,
+        failed_recving={"cmpl-d-redo": "transfer_error"},
+    )
+    kv_output = _worker_step(worker, rank, first, failed)
+    sched.update_from_output(first, _one_token(first, [], kv_output))
+    assert not request.is_finished()
+    assert not sched.connector.has_pending_push_work()  # kvhandoff ended it: failed
+
+    second = sched.schedule()
+    assert request.status == RequestStatus.RUNNING
+    assert second.num_scheduled_tokens["cmpl-d-redo"] == prompt_len  # a local prefill
+    assert second.kv_connector_metadata.push.push_registrations == {}
+    sched.update_from_output(second, _one_token(second, ["cmpl-d-redo"]))
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert sched.connector.scheduler.bus.counters(D_REQUEST).created == 1
+    assert not sched.requests
+    assert pool.get_num_free_blocks() == free_before
+
+
+def test_B_14_failure_counts_by_cause_reach_vllm_scheduler_stats(tiny_model_dir: Path) -> None:
+    """The ranks' failures by cause, summed by kvhandoff's scheduler, come back through
+    `get_kv_connector_stats` into vLLM's SchedulerStats, once per interval; a late report
+    the connector dropped is counted too."""
+    from kvhandoff.machines.push.meta import FAILURE_CAUSES, PushWorkerOutput
+
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    worker, rank = _worker(tiny_model_dir)
+    sched.add_request(_request("cmpl-d-stats", vllm_harness.BLOCK_SIZE, _decode_leg()))
+    first = sched.schedule()
+    failed = PushWorkerOutput(
+        rank=0,
+        step=first.kv_connector_metadata.push.step,
+        failed_recving={"cmpl-d-stats": "transfer_error"},
+        failures={"transfer_error": 1, "handshake": 2},
+    )
+    kv_output = _worker_step(worker, rank, first, failed)
+    outputs = sched.update_from_output(first, _one_token(first, [], kv_output))
+    stats = next(iter(outputs.values())).scheduler_stats.kv_connector_stats
+    assert set(FAILURE_CAUSES) <= set(stats)
+    assert stats["transfer_error"] == 1 and stats["handshake"] == 2
+    assert stats["timeout"] == 0 and stats["peer_gone"] == 0 and stats["dropped_reports"] == 0
+
+    second = sched.schedule()
+    late = PushWorkerOutput(
+        rank=0,
+        step=second.kv_connector_metadata.push.step,
+        finished_recving=("cmpl-d-stats",),
+        failures={"timeout": 1},
+    )
+    kv_output = _worker_step(worker, rank, second, late)
+    outputs = sched.update_from_output(second, _one_token(second, [], kv_output))
+    stats = next(iter(outputs.values())).scheduler_stats.kv_connector_stats
+    assert stats["transfer_error"] == 0 and stats["handshake"] == 0  # this interval only
+    assert stats["timeout"] == 1 and stats["dropped_reports"] == 1
+
+
+def test_R_P10_watchdog_ended_request_waits_for_vllm_abort_then_frees_every_block(
+    tiny_model_dir: Path,
+) -> None:
+    """kvhandoff's watchdog drops a registration P never served: the ranks drop it, and
+    vLLM's request keeps waiting (R-P10) until vLLM aborts it; then the connector passes
+    it to vLLM at the next output (no rank holds it any more) and every block is free."""
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    sched = _scheduler(tiny_model_dir, "kv_consumer")
+    worker, rank = _worker(tiny_model_dir)
+    pool = sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    request = _request("cmpl-d-late", vllm_harness.BLOCK_SIZE, _decode_leg())
+    sched.add_request(request)
+    first = sched.schedule()
+    kv_output = _worker_step(
+        worker, rank, first, PushWorkerOutput(rank=0, step=first.kv_connector_metadata.push.step)
+    )
+    sched.update_from_output(first, _one_token(first, [], kv_output))
+
+    # A virtual clock far past the watchdog: no waiting in the test.
+    later = sched.connector.clock() + 2 * sched.connector.config.registration_timeout
+    sched.connector.clock = lambda: later
+    second = sched.schedule()
+    assert second.kv_connector_metadata.push.ended == ("cmpl-d-late",)
+    dropped = PushWorkerOutput(
+        rank=0, step=second.kv_connector_metadata.push.step, ended=("cmpl-d-late",)
+    )
+    sched.update_from_output(
+        second, _one_token(second, [], _worker_step(worker, rank, second, dropped))
+    )
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # still waiting (R-P10)
+    assert not sched.connector.has_pending_push_work()
+
+    sched.finish_requests("cmpl-d-late", RequestStatus.FINISHED_ABORTED)
+    assert "cmpl-d-late" in sched.requests
+    third = sched.schedule()
+    idle = PushWorkerOutput(rank=0, step=third.kv_connector_metadata.push.step)
+    kv_output = _worker_step(worker, rank, third, idle)
+    sched.update_from_output(third, _one_token(third, [], kv_output))
+    assert not sched.requests
+    assert pool.get_num_free_blocks() == free_before

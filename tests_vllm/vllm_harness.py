@@ -16,6 +16,7 @@ def vllm_config(
     kv_role: str,
     kv_connector_module_path: str | None = None,
     extra_config: dict[str, Any] | None = None,
+    kv_load_failure_policy: str = "fail",
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -44,6 +45,7 @@ def vllm_config(
         kv_role=kv_role,
         kv_buffer_device="cpu",
         kv_connector_extra_config=extra_config or {},
+        kv_load_failure_policy=kv_load_failure_policy,
     )
     return VllmConfig(
         scheduler_config=scheduler,
@@ -79,4 +81,51 @@ def scheduler(config: Any, num_blocks: int = 100) -> Any:
         log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
+    )
+
+
+class StubRank:
+    """A rank whose outputs the test scripts: the worker-role connector's own logic (block
+    bookkeeping, failed receives) runs for real; no transport is needed to show it."""
+
+    def __init__(self) -> None:
+        self.metas: list[Any] = []
+        self.outputs: list[Any] = []
+
+    def start_load_kv(self, meta: Any) -> None:
+        self.metas.append(meta)
+
+    def get_finished(self) -> Any:
+        return self.outputs.pop(0)
+
+
+def worker_step(worker: Any, rank: StubRank, scheduler_output: Any, report: Any) -> Any:
+    """vLLM's worker lifecycle for one step (the model-runner mixin's order): bind the
+    metadata, start_load_kv, then the transfer results, load errors and worker metadata."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    worker.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    worker.start_load_kv(None)
+    rank.outputs.append(report)
+    results = worker.get_transfer_results(scheduler_output.finished_req_ids)
+    output = KVConnectorOutput(
+        finished_sending=results.finished_sending,
+        finished_recving=results.finished_recving,
+        failed_recving=results.failed_recving,
+        invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    )
+    worker.clear_connector_metadata()
+    return output
+
+
+def one_token(output: Any, request_ids: list[str], kv_output: Any = None) -> Any:
+    """A step's model-runner output: one sampled token per scheduled request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=request_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(request_ids)},
+        sampled_token_ids=[[7] for _ in request_ids],
+        kv_connector_output=kv_output,
     )

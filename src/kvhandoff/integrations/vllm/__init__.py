@@ -16,12 +16,18 @@ from kvhandoff.integrations.vllm.params import kvhandoff_params, push_role
 __all__ = [
     "KVHandoffConnector",
     "KVHandoffConnectorMetadata",
+    "KVHandoffConnectorStats",
     "KVHandoffWorkerMetadata",
     "kvhandoff_params",
     "push_role",
 ]
 
-_LAZY = ("KVHandoffConnector", "KVHandoffConnectorMetadata", "KVHandoffWorkerMetadata")
+_LAZY = (
+    "KVHandoffConnector",
+    "KVHandoffConnectorMetadata",
+    "KVHandoffConnectorStats",
+    "KVHandoffWorkerMetadata",
+)
 
 
 def __getattr__(name: str) -> Any:
