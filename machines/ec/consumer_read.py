@@ -53,6 +53,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
+from kvhandoff.machines.ec.consumer_read_effects import (
+    IssueRead,
+    ReleaseRead,
+    SendXferDone,
+    SendXferReq,
+)
 from kvhandoff.machines.ec.events import (
     Discard,
     PeerDisconnected,
@@ -215,57 +221,6 @@ class ReadTimeout(Event):
 @dataclass(frozen=True, slots=True)
 class QuarantineOver(Event):
     """`read_quarantine_s` passed: time to cancel the DMA and free the destination."""
-
-
-# -- effects ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SendXferReq(Effect):
-    """ZMQ adapter: send `req` on the DEALER of producer `peer_host:peer_port`; report
-    `on_xfer_ack` for its answer and `on_peer_disconnected` if the peer goes away."""
-
-    peer_host: str
-    peer_port: int
-    req: XferReq
-
-
-@dataclass(frozen=True, slots=True)
-class IssueRead(Effect):
-    """NIXL adapter: load `producer_agent_metadata` if this agent is new or changed, READ
-    `src_blocks` of the producer's region into `dst_blocks` of ours, release the handle
-    when it ends and then report `on_read_done(mm_hash, transfer_id, now)` or
-    `on_read_failed(...)`."""
-
-    mm_hash: str
-    transfer_id: str
-    peer_host: str
-    peer_port: int
-    producer_agent_name: str
-    producer_agent_metadata: bytes
-    remote_base_addr: int
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-    block_size_bytes: int
-    size_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class SendXferDone(Effect):
-    """ZMQ adapter: tell the producer a grant is finished with (`done.ok`)."""
-
-    peer_host: str
-    peer_port: int
-    done: XferDone
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseRead(Effect):
-    """NIXL adapter: release the handle of the READ `transfer_id` of `mm_hash` (which
-    cancels a DMA still running), then report `on_read_released(mm_hash, now)`."""
-
-    mm_hash: str
-    transfer_id: str
 
 
 # -- guards --------------------------------------------------------------------------
