@@ -79,7 +79,7 @@ from kvhandoff.protocol.ec_config import (
     ECTransferConfig,
 )
 from kvhandoff.protocol.ec_wire import XferAck
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = ["CopyEngineFactory", "ECSide", "ReadOutcome"]
 
@@ -245,7 +245,13 @@ class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
         sched_env = dict(env)
         if config.is_producer:
             host, port = listen or (self.extra.side_channel_host, self.extra.side_channel_port)
-            self.server = ControlServer(host, port, heartbeat=self.heartbeat, context=self._zmq)
+            self.server = ControlServer(
+                host,
+                port,
+                heartbeat=self.heartbeat,
+                context=self._zmq,
+                on_reject=self._frame_reject,
+            )
             self.publish_host = advertise_host or host
             self.publish_port = self.server.port
             for key in _SIDE_CHANNEL_ENV:
@@ -288,6 +294,10 @@ class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
             worker.bus.handle(CopyBlocks, self._copy)
             worker.bus.handle(CloseRegion, self._close_region)
 
+    def _frame_reject(self, peer: str, reason: str) -> None:
+        """A control socket dropped a message of the wrong frame shape (S-06)."""
+        self.rejections.reject(peer, f"control frames: {reason}", self.clock())
+
     @property
     def rejected(self) -> int:
         """Control messages rejected so far (bad bytes, unknown or stale requests)."""
@@ -306,20 +316,30 @@ class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
             raise LocalProtocolError(f"ECSide.{call}: the side was closed")
 
     def _poll(self, now: float) -> int:
-        self._progress()
-        handled = self._poll_server(now) + self._poll_clients(now) + self._poll_reads(now)
+        handled = self._progress(now)
+        handled += self._poll_server(now) + self._poll_clients(now) + self._poll_reads(now)
         handled += self._poll_copies(now)
         return handled + self.scheduler.poll(now)
 
-    def _progress(self) -> None:
-        """Without a progress thread, one pass of the NIXL backend's progress: a READ
-        target (the producer) must progress for a peer's READ to complete."""
-        if self._progress_thread or self.agent is None:
-            return
+    def _progress(self, now: float) -> int:
+        """The READ notifs consumers' READs carried (C-03: `<session_id>:<mm_hash>`
+        releases the grant it names); without a progress thread, draining them is also
+        the pass of the NIXL backend's progress a READ of ours needs to complete."""
+        if self.agent is None:
+            return 0
         try:
-            self.agent.get_new_notifs()  # EC uses no notifs; the call progresses UCX
+            notifs = self.agent.get_new_notifs()
         except NixlTransferError as exc:
             log.debug("NIXL progress: %s", exc)
+            return 0
+        if self.server is None:  # a consumer only: nobody READs from us
+            return 0
+        for sender, message in notifs:
+            try:
+                self.scheduler.on_read_notif(sender, message, now)
+            except RemoteProtocolError as exc:  # bad bytes never stop the producer's step
+                self.rejections.reject(sender, exc, now)
+        return len(notifs)
 
     def engine_step(self) -> ECFinished:
         """One engine step of the connector: the scheduler's meta to the worker, loads and

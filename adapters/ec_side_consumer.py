@@ -68,12 +68,21 @@ class ConsumerEdges:
     _zmq: zmq.Context[zmq.Socket[bytes]] | None
     _clients: dict[tuple[str, int], ControlClient]
 
+    def _frame_reject(self, peer: str, reason: str) -> None:
+        raise NotImplementedError
+
     # -- control plane -------------------------------------------------------------------
 
     def _client(self, host: str, port: int) -> ControlClient:
         client = self._clients.get((host, port))
         if client is None:
-            client = ControlClient(host, port, heartbeat=self.heartbeat, context=self._zmq)
+            client = ControlClient(
+                host,
+                port,
+                heartbeat=self.heartbeat,
+                context=self._zmq,
+                on_reject=self._frame_reject,
+            )
             self._clients[(host, port)] = client
         return client
 

@@ -1,9 +1,12 @@
 """The producer edges of `ECSide`: the ZMQ ROUTER at the side channel (R-E09) and B-01.
 
 Requests are handed to `on_producer_message` when the side polls, i.e. from the
-producer's own scheduler step. `SendXferAck` becomes a reply; a reply that finds its
-consumer gone is reported with `on_consumer_disconnected` at the next poll (ZMQ tells a
-ROUTER nothing else about who left). `EncodingEvicted` is logged and handed to the
+producer's own scheduler step. The wire is vLLM 0.33.0's (C-03): a stock vLLM consumer's
+`XferReq` is answered with vLLM's ack fields, and the NIXL notif its READ carries
+(`<session_id>:<mm_hash>`, drained by `ECSide._progress`) releases its grant; a kvhandoff
+consumer releases it with `XferDone` instead (C-04). `SendXferAck` becomes a reply; a
+reply that finds its consumer gone is reported with `on_consumer_disconnected` at the next
+poll (ZMQ tells a ROUTER nothing else about who left). `EncodingEvicted` is logged and handed to the
 eviction observers (an orchestrator's hook). Bad bytes from a consumer never raise out
 of a poll: they go to the side's `RejectionLog`, counted per peer.
 """

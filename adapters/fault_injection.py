@@ -87,10 +87,12 @@ def faulty_transport_factory(plan: FaultPlan, seed: int) -> Any:
     class FaultyNixlPushTransport(NixlPushTransport):
         injected = dice.injected
 
-        def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
+        def fetch_handshake(
+            self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
+        ) -> list[bytes]:
             if dice.roll("handshake_fail", plan.handshake_fail):
                 raise NixlTransferError("handshake", "injected handshake failure")
-            return super().fetch_handshake(host, port, timeout_s)
+            return super().fetch_handshake(host, port, timeout_s, ranks)
 
         def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
             if dice.roll("notif_drop", plan.notif_drop):

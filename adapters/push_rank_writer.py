@@ -32,6 +32,7 @@ from kvhandoff.machines.push.effects import (
     ForwardToMain,
     IssueRead,
     IssueWrite,
+    RankRegistration,
     ReplayPush,
     ReportToMain,
     SendPushFail,
@@ -205,7 +206,7 @@ class RankWriterSide:
                 raise KvHandoffError(f"no connected agents for {op.engine_id}")
             for rr in op.registrations:
                 _check_registration(info, rr.d_rank, rr.registration)
-                if rr.sender != info.agent(rr.d_rank):
+                if not _sent_by(info, rr):
                     if self._rehandshake_once(op, now):
                         return
                     # B-08: D restarted since it registered; its blocks now belong to others.
@@ -376,14 +377,16 @@ class RankWriterSide:
 
         def job() -> None:
             endpoint = f"{effect.host}:{effect.port}"
+            tp, pp = effect.tp_size, effect.pp_size
             try:
+                ranks = [(p, t) for p in range(pp) for t in range(tp)]
                 engine = decode_engine_handshake(
-                    transport.fetch_handshake(effect.host, effect.port, timeout), peer=endpoint
+                    transport.fetch_handshake(effect.host, effect.port, timeout, ranks),
+                    peer=endpoint,
+                    engine_id=effect.engine_id,
+                    tp_size=tp,
+                    pp_size=pp,
                 )
-                if engine.engine_id != effect.engine_id:
-                    raise KvHandoffError(
-                        f"{endpoint} is engine {engine.engine_id!r}, not {effect.engine_id!r}"
-                    )
                 transport.connect(engine, routes(engine.tp_size))
             except Exception as exc:  # any failure fails the handshake, never the thread
                 log.warning("handshake with %s at %s failed: %s", effect.engine_id, endpoint, exc)
@@ -393,6 +396,14 @@ class RankWriterSide:
             wake.set()
 
         self._submit_handshake(job)
+
+
+def _sent_by(info: EngineInfo, rr: RankRegistration) -> bool:
+    """B-08: the registration came from the agent D's handshake names for its rank, or,
+    from a stock vLLM D that names no rank (C-01), from one of D's agents."""
+    if rr.registration.decode_tp_rank is None:
+        return any(rr.sender == rank.agent_name for rank in info.ranks)
+    return rr.sender == info.agent(rr.d_rank)
 
 
 def _check_registration(info: EngineInfo, d_rank: int, reg: PushRegistration) -> None:

@@ -5,8 +5,8 @@ process of its own (R-T01); they share nothing but the msgspec records of
 `kvhandoff.machines.push.meta`. `PushSide` keeps that shape inside one process, for the
 demo, the benchmarks, the soak and the simulator: a `PushScheduler` and one `PushRank`
 per rank (`config.tp_size * config.pp_size` of them, each with its own transport), and
-the engine's side channel serving every rank's handshake payload
-(`EngineHandshake`). Every engine entry point reads the injected clock once and passes
+the engine's side channel serving each rank's handshake payload, one request per rank
+(`rank_payload`). Every engine entry point reads the injected clock once and passes
 `now` down:
 
     side = PushSide("decode", LocalEngine("decode-0", host, port), [transport], submit)
@@ -37,7 +37,7 @@ from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     EngineHandshake,
-    encode_engine_handshake,
+    encode_handshake,
 )
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -104,9 +104,19 @@ class PushSide:
     def handshake(self) -> EngineHandshake:
         return engine_handshake(self.engine.engine_id, self.ranks)
 
+    def rank_payload(self, pp_rank: int, tp_rank: int) -> bytes | None:
+        """One rank's encoded payload, as the side channel serves it; None for no such
+        rank (C-01: one request per rank)."""
+        tp_size, pp_size = self.config.tp_size, self.config.pp_size
+        if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
+            return None
+        return encode_handshake(
+            self.ranks[pp_rank * tp_size + tp_rank].transport.handshake_payload()
+        )
+
     def serve(self, host: str, port: int) -> SideChannelServer:
-        """Serve the engine's handshake on the ZMQ side channel (R-P15)."""
-        return SideChannelServer(host, port, lambda: encode_engine_handshake(self.handshake()))
+        """Serve the engine's handshake on the ZMQ side channel (R-P15, C-01)."""
+        return SideChannelServer(host, port, self.rank_payload)
 
     # -- engine entry points (main thread) -----------------------------------------------
 

@@ -85,8 +85,11 @@ class PushTransport(Protocol):
         """The kvhandoff extensions and cluster key id this rank's payload carries."""
         ...
 
-    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
-        """A remote engine's encoded `EngineHandshake` (runs on the handshake executor)."""
+    def fetch_handshake(
+        self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
+    ) -> list[bytes]:
+        """The encoded payload of each (pp_rank, tp_rank) of a remote engine, one
+        side-channel request each (runs on the handshake executor)."""
         ...
 
     def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:

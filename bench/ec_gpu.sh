@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The encoder-cache half of issue 6 on a GPU machine (see bench/RESULTS.md, "## Encoder cache").
-# Run from the repository root with kvhandoff importable by python3 (torch + numpy only) and
-# OUT naming a folder for the results:
+# Run from the repository root with kvhandoff importable by python3 (torch, numpy and the
+# `gpu` extra's cuda-python: cuda-bindings, cuda-core) and OUT naming a folder for the results:
 #   1. the CUDA copy-engine tests and the CPU bench test (bytes verified);
 #   2. `kvhandoff bench ec --json --device cuda` (headline: auto, plus row_kernel, kernel, runs);
-#   3. the batched-memcpy method, in its own process (a ctypes call into libcudart);
+#   3. the batched-memcpy method, in its own process (cudaMemcpyBatchAsync via cuda.bindings);
 #   4. batch sizes (auto, row_kernel, kernel, runs): SIZES, default 1,024 / 4,096 / 32,768 blocks;
 #   5. kvhandoff.bench.probes.ec_kernel: device-side throughput of each copy primitive (SKIP_PROBE=1);
 #   6. `kvhandoff bench ec --json` (the CPU copy path, same machine); SKIP_CPU=1 skips it;

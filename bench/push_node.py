@@ -37,7 +37,7 @@ class BenchSide:
         from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
         from kvhandoff.adapters.zmq.side_channel import SideChannelServer
         from kvhandoff.machines.push.scheduler import LocalEngine
-        from kvhandoff.protocol.handshake import compatibility_hash, encode_engine_handshake
+        from kvhandoff.protocol.handshake import compatibility_hash
         from kvhandoff.protocol.push_config import PushConfig
 
         self.cfg = cfg
@@ -83,7 +83,7 @@ class BenchSide:
         self.executor = HandshakeExecutor()
         sides: list[PushSide] = []
         self.server = SideChannelServer(
-            "127.0.0.1", 0, lambda: encode_engine_handshake(sides[0].handshake())
+            "127.0.0.1", 0, lambda pp, tp: sides[0].rank_payload(pp, tp)
         )
         self.local_engine = LocalEngine(self.engine_id, "127.0.0.1", self.server.port)
         self.side: PushSide = PushSide(

@@ -18,7 +18,15 @@ from collections.abc import Callable
 
 import atheris
 
-from kvhandoff.protocol import ec_config, ec_publication, ec_wire, handshake, notifs, push_wire
+from kvhandoff.protocol import (
+    ec_config,
+    ec_publication,
+    ec_wire,
+    handshake,
+    nixl_wire,
+    notifs,
+    push_wire,
+)
 from kvhandoff.protocol.auth import ClusterKey
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
@@ -58,10 +66,16 @@ DECODERS: list[tuple[Callable[[bytes], object], tuple[type[BaseException], ...]]
     (lambda d: ec_wire.decode_producer_message(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: handshake.decode_handshake(d, peer="fuzz"), (RemoteProtocolError,)),
     (lambda d: handshake.decode_engine_handshake(d, peer="fuzz"), (RemoteProtocolError,)),
+    (lambda d: nixl_wire.decode_meta_request(d, peer="fuzz"), (RemoteProtocolError,)),
+    (
+        lambda d: handshake.decode_handshake(d, peer="fuzz", slot=(2, 1, 1, 0)),
+        (RemoteProtocolError,),
+    ),
     (lambda d: _FUZZ_KEY.open("fuzz", d), (RemoteProtocolError,)),
     (_publication, (RemoteProtocolError,)),
     (_extra_config, (LocalProtocolError, ValueError)),
     (_transfer_config, (LocalProtocolError, ValueError)),
+    (lambda d: ec_wire.decode_mem_descriptor(d, peer="fuzz"), (RemoteProtocolError,)),
 ]
 
 
@@ -77,15 +91,26 @@ _EC_ROUTES = [
 
 
 def _ec_seed_messages() -> list[bytes]:
-    from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+    from kvhandoff.protocol.ec_status import XferStatus
 
-    req = ec_wire.XferReq(EC_CONNECTOR_VERSION, "6f1c2a9e", "mm", "c" * 64, "e", "a", 2, 16)
-    done = ec_wire.XferDone(EC_CONNECTOR_VERSION, "6f1c2a9e", "mm", True)
-    ack = ec_wire.XferAck(EC_CONNECTOR_VERSION, "6f1c2a9e", "mm", XferStatus.NACK_MISSING, "p")
+    req = ec_wire.XferReq("mm", "c" * 64, "s", transfer_id="6f1c2a9e", num_blocks=2, size_bytes=16)
+    done = ec_wire.XferDone("mm", "6f1c2a9e", True)
+    ack = ec_wire.XferAck("mm", XferStatus.NACK_MISSING, transfer_id="6f1c2a9e")
+    stock_req = ec_wire.XferReq("mm", "c" * 64, "s")  # vLLM 0.33's form (C-03)
+    stock_ok = ec_wire.XferAck(
+        "mm",
+        XferStatus.OK,
+        "s",
+        [0, 1],
+        b"md",
+        ec_wire.encode_mem_descriptor(4096, 8, 4),
+    )
     return [
         ec_wire.encode_xfer_req(req),
         ec_wire.encode_xfer_done(done),
         ec_wire.encode_xfer_ack(ack),
+        ec_wire.encode_xfer_req(stock_req),
+        ec_wire.encode_xfer_ack(stock_ok),
     ]
 
 

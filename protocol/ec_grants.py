@@ -8,7 +8,7 @@ answers its request and fits it (`check_xfer_ack`). The messages and their codec
 
 from __future__ import annotations
 
-from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, EXTENSIONS, XferStatus
+from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, EXTENSIONS, REGION_BASE, XferStatus
 from kvhandoff.protocol.ec_wire import XferAck, XferReq, validate_grant
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
@@ -18,13 +18,17 @@ __all__ = ["check_xfer_ack", "check_xfer_req", "grant_ack", "nack"]
 def check_xfer_req(req: XferReq, *, expected_hash: str) -> XferStatus | None:
     """The NACK a producer owes `req` before looking it up, or None when it may proceed.
 
-    Version first (`NACK_VERSION`, R-E09), then compatibility (`NACK_INCOMPAT`, R-E10).
-    Presence and readiness (`NACK_MISSING`, `NACK_NOT_READY`) are the producer's to check.
+    Version first (`NACK_VERSION`, R-E09), then compatibility (`NACK_INCOMPAT`, R-E10),
+    then a request that names no session and no transfer id (`NACK_INTERNAL`, as vLLM 0.33:
+    its grant could not be told apart from another peer's). Presence and readiness
+    (`NACK_MISSING`, `NACK_NOT_READY`) are the producer's to check.
     """
     if req.version != EC_CONNECTOR_VERSION:
         return XferStatus.NACK_VERSION
     if req.compat_hash != expected_hash:
         return XferStatus.NACK_INCOMPAT
+    if not (req.session_id or req.transfer_id):
+        return XferStatus.NACK_INTERNAL
     return None
 
 
@@ -33,11 +37,15 @@ def check_xfer_ack(
 ) -> None:
     """Raise `RemoteProtocolError` unless `ack` answers `req` (and, on OK, fits it).
 
-    Checks the echoed `transfer_id` and `mm_hash`; for an `OK` grant also that it names
-    `req.num_blocks` blocks holding `req.size_bytes` bytes, and, when given, that the
-    producer's block size equals the consumer's `block_size_bytes`.
+    Checks the echoed `transfer_id` (when the producer echoes one; a stock vLLM producer
+    does not), `session_id` (when echoed) and `mm_hash`; for an `OK` grant also that it
+    names `req.num_blocks` blocks (holding `req.size_bytes` bytes when the producer says
+    its size), and, when given, that the producer's block size equals the consumer's
+    `block_size_bytes`.
     """
-    if (ack.transfer_id, ack.mm_hash) != (req.transfer_id, req.mm_hash):
+    tid = ack.transfer_id or req.transfer_id
+    sid = ack.session_id or req.session_id
+    if (tid, sid, ack.mm_hash) != (req.transfer_id, req.session_id, req.mm_hash):
         raise RemoteProtocolError(
             f"XferAck for ({ack.transfer_id!r}, {ack.mm_hash!r}) does not answer "
             f"XferReq ({req.transfer_id!r}, {req.mm_hash!r})",
@@ -45,7 +53,7 @@ def check_xfer_ack(
         )
     if ack.status is not XferStatus.OK:
         return
-    if len(ack.block_indices) != req.num_blocks or ack.size_bytes != req.size_bytes:
+    if len(ack.block_indices) != req.num_blocks or ack.size_bytes not in (0, req.size_bytes):
         raise RemoteProtocolError(
             f"XferAck {ack.transfer_id!r} grants {len(ack.block_indices)} blocks / "
             f"{ack.size_bytes} bytes, requested {req.num_blocks} / {req.size_bytes}",
@@ -60,14 +68,18 @@ def check_xfer_ack(
 
 
 def nack(req: XferReq, status: XferStatus, *, producer_agent_name: str = "") -> XferAck:
-    """The refusal of `req` with `status` (any status but `OK`), at this connector version."""
+    """The refusal of `req` with `status` (any status but `OK`). As vLLM's, it carries
+    `mm_hash` and `status`; kvhandoff's fields (the transfer id, the extensions) only
+    for a consumer that sent a transfer id."""
     if status is XferStatus.OK:
         raise LocalProtocolError("nack() needs a NACK status; use grant_ack() to grant")
+    if not req.transfer_id:
+        return XferAck(mm_hash=req.mm_hash, status=status)
     return XferAck(
-        version=EC_CONNECTOR_VERSION,
-        transfer_id=req.transfer_id,
         mm_hash=req.mm_hash,
         status=status,
+        session_id=req.session_id,
+        transfer_id=req.transfer_id,
         producer_agent_name=producer_agent_name,
         extensions=EXTENSIONS,
     )
@@ -83,20 +95,27 @@ def grant_ack(
     size_bytes: int,
     region_base_addr: int,
     lease_s: float,
+    mem_descriptor: bytes = b"",
 ) -> XferAck:
     """The `OK` answer to `req`; `LocalProtocolError` if the grant is incoherent.
 
-    Coherent means what `decode_xfer_ack` demands of an `OK` ack: an agent name and
-    metadata, distinct non-negative blocks that hold `size_bytes`, a positive lease.
+    Coherent means what `decode_xfer_ack` demands of an `OK` ack: agent metadata,
+    distinct non-negative blocks that hold `size_bytes`, a positive lease. The ack carries
+    vLLM's fields (`session_id`, `src_block_indices`, `agent_metadata`, `mem_descriptor`)
+    and kvhandoff's; `mem_descriptor` is left out for a consumer that advertised
+    `region_base` (C-04).
     """
+    if REGION_BASE in req.extensions:
+        mem_descriptor = b""
     ack = XferAck(
-        version=EC_CONNECTOR_VERSION,
-        transfer_id=req.transfer_id,
         mm_hash=req.mm_hash,
         status=XferStatus.OK,
-        producer_agent_name=producer_agent_name,
-        producer_agent_metadata=producer_agent_metadata,
+        session_id=req.session_id,
         block_indices=list(block_indices),
+        producer_agent_metadata=producer_agent_metadata,
+        mem_descriptor=mem_descriptor,
+        transfer_id=req.transfer_id,
+        producer_agent_name=producer_agent_name,
         block_size_bytes=block_size_bytes,
         size_bytes=size_bytes,
         region_base_addr=region_base_addr,

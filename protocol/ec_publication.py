@@ -9,6 +9,13 @@ and the consumer encodes locally. Anything in between (one half without the othe
 malformed. The unservable form doubles as the eviction announcement of B-01: publishing
 it for an `mm_hash` withdraws an earlier publication.
 
+vLLM 0.33.0's producer adds `modality`, `item_indices` (the positions of the `mm_hash`
+among the request's multimodal items) and, on a servable entry, `shape` (`[rows, width]`
+of the encoder output, which its consumer needs to read the entry); kvhandoff publishes
+and accepts them too (C-03). A vLLM model that declares no placeholder fields publishes
+a servable entry with empty metadata: an entry that carries vLLM's `shape` beside a full
+address is servable even so.
+
 Part of the local tier: no nixl, zmq or msgspec (R-E02).
 """
 
@@ -27,6 +34,7 @@ __all__ = [
     "MAX_METADATA_ITEMS",
     "MAX_MM_HASH_CHARS",
     "MAX_PARAMS_ENTRIES",
+    "VLLM_KEYS",
     "PublishedEncoding",
     "build_ec_transfer_params",
     "parse_ec_transfer_params",
@@ -34,8 +42,12 @@ __all__ = [
     "unservable_entry",
 ]
 
-ENTRY_KEYS: Final[tuple[str, ...]] = ("metadata", "peer_host", "peer_port", "size_bytes")
-_ADDRESS_KEYS: Final[tuple[str, ...]] = ENTRY_KEYS[1:]
+_ADDRESS_KEYS: Final[tuple[str, ...]] = ("peer_host", "peer_port", "size_bytes")
+VLLM_KEYS: Final[tuple[str, ...]] = ("modality", "item_indices", "shape")
+"""vLLM 0.33.0's further keys of an entry (C-03)."""
+ENTRY_KEYS: Final[tuple[str, ...]] = ("metadata", *_ADDRESS_KEYS, *VLLM_KEYS)
+MAX_ITEM_INDICES: Final[int] = 4096
+MAX_SHAPE_DIMS: Final[int] = 8
 MAX_MM_HASH_CHARS: Final[int] = 256
 MAX_HOST_CHARS: Final[int] = 255
 MAX_METADATA_DEPTH: Final[int] = 32
@@ -58,20 +70,50 @@ class PublishedEncoding:
     """Port of the producer's ZMQ ROUTER."""
     size_bytes: int
     """Bytes of the encoding; the consumer reserves blocks for it."""
+    modality: str = ""
+    """vLLM's `modality` ('' when not said)."""
+    item_indices: tuple[int, ...] = ()
+    """vLLM's `item_indices`: where the `mm_hash` sits among the request's items."""
+    shape: tuple[int, ...] = ()
+    """vLLM's `shape`, `(rows, width)` of the encoder output (() when not said)."""
 
     def __post_init__(self) -> None:
-        problem = _entry_problem(self.metadata, self.peer_host, self.peer_port, self.size_bytes)
+        problem = _entry_problem(
+            self.metadata, self.peer_host, self.peer_port, self.size_bytes, bool(self.shape)
+        ) or _vllm_problem(self.modality, self.item_indices, self.shape)
         if problem is not None:
             raise LocalProtocolError(f"invalid published encoding: {problem}")
 
     def to_entry(self) -> dict[str, Any]:
         """The JSON-ready entry of this encoding."""
-        return {
+        entry: dict[str, Any] = {
             "metadata": dict(self.metadata),
             "peer_host": self.peer_host,
             "peer_port": self.peer_port,
             "size_bytes": self.size_bytes,
         }
+        if self.modality:
+            entry["modality"] = self.modality
+        if self.item_indices:
+            entry["item_indices"] = list(self.item_indices)
+        if self.shape:
+            entry["shape"] = list(self.shape)
+        return entry
+
+
+def _vllm_problem(modality: object, item_indices: object, shape: object) -> str | None:
+    """Why vLLM's further keys are malformed, or None."""
+    if not isinstance(modality, str) or len(modality) > 64:
+        return f"modality must be a str of at most 64 chars, got {modality!r:.80}"
+    if not isinstance(item_indices, list | tuple) or len(item_indices) > MAX_ITEM_INDICES:
+        return f"item_indices must be a list of at most {MAX_ITEM_INDICES} ints"
+    if not all(_is_int(i) and 0 <= i < 2**31 for i in item_indices):
+        return "item_indices must be non-negative ints"
+    if not isinstance(shape, list | tuple) or len(shape) > MAX_SHAPE_DIMS:
+        return f"shape must be a list of at most {MAX_SHAPE_DIMS} ints"
+    if not all(_is_int(d) and 0 <= d < 2**63 for d in shape):
+        return "shape must be non-negative ints"
+    return None
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -108,8 +150,10 @@ def _json_problem(root: object, depth: int) -> str | None:
     return None
 
 
-def _entry_problem(metadata: object, host: object, port: object, size: object) -> str | None:
-    if not isinstance(metadata, Mapping) or not metadata:
+def _entry_problem(
+    metadata: object, host: object, port: object, size: object, vllm_form: bool = False
+) -> str | None:
+    if not isinstance(metadata, Mapping) or not (metadata or vllm_form):
         return "metadata of a servable entry must be a non-empty object"
     problem = _json_problem(metadata, 1)
     if problem is not None:
@@ -129,15 +173,31 @@ def _entry_problem(metadata: object, host: object, port: object, size: object) -
 
 
 def publish_entry(
-    metadata: Mapping[str, Any], peer_host: str, peer_port: int, size_bytes: int
+    metadata: Mapping[str, Any],
+    peer_host: str,
+    peer_port: int,
+    size_bytes: int,
+    *,
+    modality: str = "",
+    item_indices: tuple[int, ...] = (),
+    shape: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """The entry of a servable encoding; `LocalProtocolError` if any half is invalid."""
-    return PublishedEncoding(dict(metadata), peer_host, peer_port, size_bytes).to_entry()
+    encoding = PublishedEncoding(
+        dict(metadata), peer_host, peer_port, size_bytes, modality, item_indices, shape
+    )
+    return encoding.to_entry()
 
 
-def unservable_entry() -> dict[str, Any]:
-    """The entry of an encoding the producer cannot serve: `{"metadata": {}}`."""
-    return {"metadata": {}}
+def unservable_entry(*, modality: str = "", item_indices: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The entry of an encoding the producer cannot serve: `{"metadata": {}}` (with
+    vLLM's `modality` and `item_indices` when given)."""
+    entry: dict[str, Any] = {"metadata": {}}
+    if modality:
+        entry["modality"] = modality
+    if item_indices:
+        entry["item_indices"] = list(item_indices)
+    return entry
 
 
 def build_ec_transfer_params(
@@ -171,9 +231,15 @@ def _parse_entry(mm_hash: str, entry: object, peer: str | None) -> PublishedEnco
         raise RemoteProtocolError(
             f"{where} metadata must be an object, got {type(metadata).__name__}", peer=peer
         )
+    modality = entry.get("modality", "")
+    item_indices = entry.get("item_indices", ())
+    shape = entry.get("shape", ())
+    problem = _vllm_problem(modality, item_indices, shape)
+    if problem is not None:
+        raise RemoteProtocolError(f"{where}: {problem}", peer=peer)
     present = [k for k in _ADDRESS_KEYS if k in entry]
-    if not metadata:
-        if present:
+    if not metadata and not (shape and len(present) == len(_ADDRESS_KEYS)):
+        if present or shape:
             raise RemoteProtocolError(
                 f"{where} is half-published: empty metadata with {', '.join(present)}", peer=peer
             )
@@ -184,10 +250,12 @@ def _parse_entry(mm_hash: str, entry: object, peer: str | None) -> PublishedEnco
             f"{where} is half-published: metadata without {', '.join(missing)}", peer=peer
         )
     host, port, size = entry["peer_host"], entry["peer_port"], entry["size_bytes"]
-    problem = _entry_problem(metadata, host, port, size)
+    problem = _entry_problem(metadata, host, port, size, bool(shape))
     if problem is not None:
         raise RemoteProtocolError(f"{where}: {problem}", peer=peer)
-    return PublishedEncoding(dict(metadata), host, port, size)
+    return PublishedEncoding(
+        dict(metadata), host, port, size, modality, tuple(item_indices), tuple(shape)
+    )
 
 
 def parse_ec_transfer_params(

@@ -7,12 +7,17 @@ scheduler can classify statuses and compute its compatibility hash without the P
 - `RETRYABLE_NACKS`: the one place that says which NACKs are retried; both ends consult it.
 - `EC_CONNECTOR_VERSION`: the wire version of `XferReq`/`XferAck`/`XferDone` (R-E09).
 - `compatibility_hash`: SHA-256 over (engine version, model, dtype, block_size_bytes) (R-E10).
+
+The numbers, names and hash are vLLM 0.33.0's (C-03): `XferStatus` goes on the wire as the
+same integers, `EC_CONNECTOR_VERSION` is vLLM's connector version, and `compatibility_hash`
+gives vLLM's digest for the same four inputs, so a stock vLLM peer and kvhandoff agree.
 """
 
 from __future__ import annotations
 
 import hashlib
-from enum import StrEnum
+import json
+from enum import IntEnum
 from typing import Final
 
 from kvhandoff.protocol.errors import LocalProtocolError
@@ -22,6 +27,7 @@ __all__ = [
     "EC_CONNECTOR_VERSION",
     "EXTENSIONS",
     "NACKS",
+    "REGION_BASE",
     "RETRYABLE_NACKS",
     "XFER_DONE",
     "XferStatus",
@@ -30,35 +36,53 @@ __all__ = [
     "is_retryable",
 ]
 
-EC_CONNECTOR_VERSION: Final[int] = 1
-"""Wire version of every EC control-plane message; a peer of another version is NACKed."""
+EC_CONNECTOR_VERSION: Final[int] = 2
+"""Wire version of every EC control-plane message; a peer of another version is NACKed.
+vLLM 0.33.0's connector version: both sides omit it from the wire at this value."""
 
 
 XFER_DONE: Final[str] = "xfer_done"
 """Extension: the consumer ends a grant with `XferDone` (else the pin lease ends it)."""
 
-EXTENSIONS: Final[tuple[str, ...]] = (XFER_DONE, "random_transfer_ids", "announced_evictions")
+REGION_BASE: Final[str] = "region_base"
+"""Extension: the grant names the region by `region_base_addr` and `block_size_bytes`, so
+the producer leaves out vLLM's per-block `mem_descriptor` for a consumer that lists it."""
+
+EXTENSIONS: Final[tuple[str, ...]] = (
+    XFER_DONE,
+    REGION_BASE,
+    "random_transfer_ids",
+    "announced_evictions",
+)
 """kvhandoff's extensions of the EC exchange, advertised in every `XferReq` and `XferAck`
-(C-04): an extension is used with a peer only when that peer advertised it. Random
-transfer ids (S-02) and announced evictions (B-01) need nothing from the peer; they are
-advertised so a peer can tell what it talks to."""
+(C-04): an extension is used with a peer only when that peer advertised it; a stock vLLM
+peer advertises none and ignores the fields. Random transfer ids (S-02) and announced
+evictions (B-01) need nothing from the peer; they are advertised so a peer can tell what
+it talks to."""
 
 
-class XferStatus(StrEnum):
-    """The producer's answer to an `XferReq`, carried by `XferAck.status`."""
+class XferStatus(IntEnum):
+    """The producer's answer to an `XferReq`, carried by `XferAck.status` as vLLM 0.33's
+    integer (C-03); `str()` and formatting give the name (`"NACK_MISSING"`)."""
 
-    OK = "OK"
+    OK = 0
     """Granted: the source blocks are pinned and may be READ."""
-    NACK_MISSING = "NACK_MISSING"
+    NACK_MISSING = 1
     """The producer no longer holds the encoding (never stored, or evicted)."""
-    NACK_NOT_READY = "NACK_NOT_READY"
-    """The producer announced the encoding but its GPU->mmap save has not landed yet."""
-    NACK_INCOMPAT = "NACK_INCOMPAT"
+    NACK_INCOMPAT = 2
     """The request's compatibility hash differs from the producer's."""
-    NACK_VERSION = "NACK_VERSION"
+    NACK_VERSION = 3
     """The request's connector version differs from the producer's."""
-    NACK_INTERNAL = "NACK_INTERNAL"
+    NACK_INTERNAL = 4
     """The producer failed for a reason of its own."""
+    NACK_NOT_READY = 5
+    """The producer announced the encoding but its GPU->mmap save has not landed yet."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
 
 
 NACKS: Final[frozenset[XferStatus]] = frozenset(s for s in XferStatus if s is not XferStatus.OK)
@@ -109,23 +133,15 @@ def canonical_dtype_name(dtype: str) -> str:
     return _DTYPE_ALIASES.get(name, name)
 
 
-_HASH_DOMAIN: Final[bytes] = b"kvhandoff/ec-compat/v1\x00"
-
-
-def _length_prefixed(field: str, value: str) -> bytes:
-    if not isinstance(value, str):
-        raise LocalProtocolError(f"{field} must be a str, got {type(value).__name__}")
-    raw = value.encode("utf-8", "surrogatepass")
-    return len(raw).to_bytes(8, "big") + raw
-
-
 def compatibility_hash(engine_version: str, model: str, dtype: str, block_size_bytes: int) -> str:
     """SHA-256 hex digest identifying which peers may exchange encodings (R-E10).
 
-    The fields are encoded unambiguously: a domain tag, then each string as an 8-byte
-    big-endian length followed by its UTF-8 bytes, then `block_size_bytes` as an 8-byte
-    big-endian integer; so no two different field tuples share an encoding. `dtype` is
-    canonicalised first (`canonical_dtype_name`), so `"torch.float16"` and `"half"` agree.
+    vLLM 0.33.0's digest (C-03): SHA-256 of the compact JSON array
+    `[engine_version, model, dtype, block_size_bytes]` (JSON strings are quoted and
+    escaped, so no two different tuples share an encoding), with `dtype` written as vLLM
+    writes a torch dtype, `"torch.<name>"` of its canonical name
+    (`canonical_dtype_name`): `"bfloat16"`, `"torch.bfloat16"` and the alias spellings
+    agree, and equal vLLM's `str(torch.bfloat16)`.
     """
     if isinstance(block_size_bytes, bool) or not isinstance(block_size_bytes, int):
         raise LocalProtocolError(
@@ -133,9 +149,11 @@ def compatibility_hash(engine_version: str, model: str, dtype: str, block_size_b
         )
     if not 0 < block_size_bytes < 2**64:
         raise LocalProtocolError(f"block_size_bytes must be in [1, 2**64), got {block_size_bytes}")
-    digest = hashlib.sha256(_HASH_DOMAIN)
-    digest.update(_length_prefixed("engine_version", engine_version))
-    digest.update(_length_prefixed("model", model))
-    digest.update(_length_prefixed("dtype", canonical_dtype_name(dtype)))
-    digest.update(block_size_bytes.to_bytes(8, "big"))
-    return digest.hexdigest()
+    for field, value in (("engine_version", engine_version), ("model", model)):
+        if not isinstance(value, str):
+            raise LocalProtocolError(f"{field} must be a str, got {type(value).__name__}")
+    torch_dtype = "torch." + canonical_dtype_name(dtype)
+    factors = json.dumps(
+        [engine_version, model, torch_dtype, block_size_bytes], separators=(",", ":")
+    )
+    return hashlib.sha256(factors.encode("utf-8")).hexdigest()

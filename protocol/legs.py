@@ -1,9 +1,14 @@
-"""R-P01: the two legs a disaggregating proxy sends for one client request.
+"""R-P01, C-01: the two legs a disaggregating proxy sends for one client request.
 
 The prefill leg goes to P with `do_remote_decode=True` and `max_tokens=1`; the decode leg
 goes to D with `do_remote_prefill=True` and P's coordinates, which D's registration names
 as `remote_*`. Both legs carry the same client request id (the proxy's X-Request-Id), so
 P's and D's engine ids differ only by their random suffix (see `request_ids`).
+
+The params use vLLM 0.33's names, so either engine may be a stock vLLM: P's TP and PP
+sizes are `tp_size` and `pp_size` (kvhandoff's older `remote_tp_size` / `remote_pp_size`
+are still read), and `remote_request_id` is P's own id for the request: D's heartbeats
+name it, and a stock vLLM P matches heartbeat ids exactly (a stock vLLM D requires it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,23 @@ class PrefillCoordinates:
     port: int
     tp_size: int
     pp_size: int = 1
+    request_id: str = ""
+    """P's own id for the request (vLLM's `remote_request_id`); empty when not known."""
+
+
+def _coordinates(prefill: PrefillCoordinates) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": prefill.host,
+        "remote_port": prefill.port,
+        "tp_size": prefill.tp_size,
+        "pp_size": prefill.pp_size,
+    }
+    if prefill.request_id:
+        params["remote_request_id"] = prefill.request_id
+    return params
 
 
 def prefill_leg(request: dict[str, Any]) -> dict[str, Any]:
@@ -34,16 +56,27 @@ def prefill_leg(request: dict[str, Any]) -> dict[str, Any]:
 def decode_leg(request: dict[str, Any], prefill: PrefillCoordinates) -> dict[str, Any]:
     """The request D receives: its KV arrives from P, whose coordinates it carries."""
     leg = dict(request)
-    leg["kv_transfer_params"] = {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "remote_engine_id": prefill.engine_id,
-        "remote_host": prefill.host,
-        "remote_port": prefill.port,
-        "remote_tp_size": prefill.tp_size,
-        "remote_pp_size": prefill.pp_size,
-    }
+    leg["kv_transfer_params"] = _coordinates(prefill)
     return leg
+
+
+def push_decode_params(prefill: PrefillCoordinates, block_ids: list[int]) -> dict[str, Any]:
+    """What P's request_finished returns in push mode (as a stock vLLM P does): the
+    decode leg's params, with P's request id and blocks (D does not need the blocks)."""
+    return {
+        **_coordinates(prefill),
+        "remote_block_ids": [list(block_ids)],  # one list per KV cache group, as vLLM's
+        "transfer_mode": "push",
+    }
+
+
+def _size(params: dict[str, Any], name: str, old: str) -> int:
+    """A size under vLLM's name or kvhandoff's older one; both present must agree."""
+    if name in params and old in params and params[name] != params[old]:
+        raise RemoteProtocolError(
+            f"decode leg says {name} {params[name]!r} but {old} {params[old]!r}"
+        )
+    return int(params.get(name, params.get(old, 1)))
 
 
 def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
@@ -55,9 +88,12 @@ def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
             engine_id=str(params["remote_engine_id"]),
             host=str(params["remote_host"]),
             port=int(params["remote_port"]),
-            tp_size=int(params["remote_tp_size"]),
-            pp_size=int(params.get("remote_pp_size", 1)),
+            tp_size=_size(params, "tp_size", "remote_tp_size"),
+            pp_size=_size(params, "pp_size", "remote_pp_size"),
+            request_id=str(params.get("remote_request_id") or ""),
         )
+        if "tp_size" not in params and "remote_tp_size" not in params:
+            raise KeyError("tp_size")
     except (KeyError, TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"decode leg has malformed prefill coordinates: {exc}") from None
     if (
@@ -66,6 +102,8 @@ def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
         or not 0 < coords.port < 65536
         or not 0 < coords.tp_size <= 1 << 16
         or not 0 < coords.pp_size <= 1 << 16
+        or "," in coords.request_id
+        or len(coords.request_id) > 1024
     ):
         raise RemoteProtocolError(f"decode leg has invalid prefill coordinates {coords}")
     return coords
@@ -85,15 +123,10 @@ def pull_params(
 ) -> dict[str, Any]:
     """What P's request_finished returns in pull mode; the proxy puts it on the decode leg."""
     return {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "remote_engine_id": prefill.engine_id,
-        "remote_host": prefill.host,
-        "remote_port": prefill.port,
-        "remote_tp_size": prefill.tp_size,
-        "remote_pp_size": prefill.pp_size,
+        **_coordinates(prefill),
         "remote_request_id": request_id,
-        "remote_block_ids": list(block_ids),
+        "remote_block_ids": [list(block_ids)],  # one list per KV cache group, as vLLM's
+        "transfer_mode": "pull",
     }
 
 
@@ -102,7 +135,15 @@ def pull_source(params: dict[str, Any] | None, *, max_blocks: int = 65536) -> Pu
     prefill = prefill_coordinates(params)
     assert params is not None
     request_id = params.get("remote_request_id")
-    block_ids = params.get("remote_block_ids")
+    block_ids: Any = params.get("remote_block_ids")
+    if (
+        isinstance(block_ids, list | tuple)
+        and len(block_ids) == 1
+        and isinstance(block_ids[0], list | tuple)
+    ):  # vLLM's shape: one list per KV cache group
+        block_ids = list(block_ids[0])
+    if isinstance(block_ids, tuple):
+        block_ids = list(block_ids)
     if not isinstance(request_id, str) or not request_id:
         raise RemoteProtocolError("pull decode leg lacks remote_request_id")
     if (

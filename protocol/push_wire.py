@@ -1,9 +1,16 @@
-"""The PUSH_REG notif: D registers its pre-allocated blocks with P (R-P02).
+"""The PUSH_REG notif: D registers its pre-allocated blocks with P (R-P02, C-01).
 
-Wire form: ``b"PUSH_REG:" + msgpack(map)``, sent by D's writer with NIXL ``send_notif``.
-The map carries D's own request id, D's coordinates (so P can handshake back to D), the
-*logical* block ids D allocated, and P's coordinates as D learned them from the decode
-leg's transfer params (``remote_*``), so P can check the registration is meant for it.
+Wire form: ``b"PUSH_REG:" + msgpack(map)``, sent by D's writer with NIXL ``send_notif``:
+vLLM 0.33.0's map, which a stock vLLM P reads as a plain dict. It carries D's own request
+id, D's coordinates (so P can handshake back to D), the *logical* block ids D allocated as
+``local_block_ids`` (one list per KV cache group: kvhandoff has one group), and P's
+coordinates as D learned them from the decode leg's transfer params (``remote_*``), so P
+can check the registration is meant for it.
+
+``decode_tp_rank`` is kvhandoff's addition (a stock vLLM P ignores it): which D rank
+registers. A stock vLLM D omits it, because its ranks all register the same blocks; such
+a registration stands for every D rank the receiving P rank writes into. Unknown keys are
+skipped, like vLLM does (after `check_msgpack` bounds the bytes, S-01).
 
 Member routing (R-P14) needs nothing here: the layer names backing each region travel
 once per peer in the side-channel handshake (``HandshakePayload.region_members``), not
@@ -17,6 +24,7 @@ from typing import Annotated, Final
 import msgspec
 
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.protocol.msgpack_limits import check_msgpack
 
 __all__ = [
     "DEFAULT_MAX_PUSH_REG_BLOCKS",
@@ -66,8 +74,8 @@ class PushRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     decode_host: NonEmptyStr
     decode_port: Port
     decode_tp_size: PositiveInt
-    decode_tp_rank: NonNegativeInt
     block_ids: tuple[NonNegativeInt, ...]
+    """D's logical block ids: ``local_block_ids[0]`` on the wire."""
     remote_engine_id: NonEmptyStr
     """P's engine id, as given to D in the decode leg."""
     remote_host: NonEmptyStr
@@ -75,15 +83,75 @@ class PushRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     remote_tp_size: PositiveInt
     remote_pp_size: PositiveInt = 1
     """P's pipeline-parallel size (vLLM's ``remote_pp_size``): D waits for every stage."""
+    decode_tp_rank: NonNegativeInt | None = None
+    """The registering D rank; None from a stock vLLM D (every rank P writes into)."""
+
+
+class _PushRegWire(msgspec.Struct, frozen=True, kw_only=True):
+    """The wire map (vLLM 0.33's keys, plus ``decode_tp_rank``); unknown keys skipped."""
+
+    request_id: NonEmptyStr
+    decode_engine_id: NonEmptyStr
+    decode_host: NonEmptyStr
+    decode_port: Port
+    decode_tp_size: PositiveInt
+    local_block_ids: tuple[tuple[NonNegativeInt, ...], ...]
+    remote_engine_id: NonEmptyStr
+    remote_host: NonEmptyStr
+    remote_port: Port
+    remote_tp_size: PositiveInt
+    remote_pp_size: PositiveInt = 1
+    decode_tp_rank: NonNegativeInt | None = None
+
+
+def _to_wire(reg: PushRegistration) -> _PushRegWire:
+    return _PushRegWire(
+        request_id=reg.request_id,
+        decode_engine_id=reg.decode_engine_id,
+        decode_host=reg.decode_host,
+        decode_port=reg.decode_port,
+        decode_tp_size=reg.decode_tp_size,
+        local_block_ids=(reg.block_ids,),
+        remote_engine_id=reg.remote_engine_id,
+        remote_host=reg.remote_host,
+        remote_port=reg.remote_port,
+        remote_tp_size=reg.remote_tp_size,
+        remote_pp_size=reg.remote_pp_size,
+        decode_tp_rank=reg.decode_tp_rank,
+    )
+
+
+def _from_wire(wire: _PushRegWire) -> PushRegistration:
+    if len(wire.local_block_ids) != 1:
+        raise ValueError(
+            f"local_block_ids has {len(wire.local_block_ids)} KV cache groups; kvhandoff"
+            " transfers exactly one"
+        )
+    return PushRegistration(
+        request_id=wire.request_id,
+        decode_engine_id=wire.decode_engine_id,
+        decode_host=wire.decode_host,
+        decode_port=wire.decode_port,
+        decode_tp_size=wire.decode_tp_size,
+        block_ids=wire.local_block_ids[0],
+        remote_engine_id=wire.remote_engine_id,
+        remote_host=wire.remote_host,
+        remote_port=wire.remote_port,
+        remote_tp_size=wire.remote_tp_size,
+        remote_pp_size=wire.remote_pp_size,
+        decode_tp_rank=wire.decode_tp_rank,
+    )
 
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
-_DECODER: Final = msgspec.msgpack.Decoder(PushRegistration)
+_DECODER: Final = msgspec.msgpack.Decoder(_PushRegWire)
+_CHECK: Final = msgspec.msgpack.Decoder(PushRegistration)
+"""Re-validates a registration built locally against its field constraints."""
 
 
 def _problem(reg: PushRegistration, max_blocks: int) -> str | None:
     """Return what is wrong across fields of a type-valid registration, or None."""
-    if reg.decode_tp_rank >= reg.decode_tp_size:
+    if reg.decode_tp_rank is not None and reg.decode_tp_rank >= reg.decode_tp_size:
         return (
             f"decode_tp_rank {reg.decode_tp_rank} is not below decode_tp_size {reg.decode_tp_size}"
         )
@@ -99,8 +167,8 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
     registration raises `LocalProtocolError` here instead of failing on the peer.
     """
     try:
-        payload = _ENCODER.encode(reg)
-        _DECODER.decode(payload)
+        _CHECK.decode(_ENCODER.encode(reg))
+        payload = _ENCODER.encode(_to_wire(reg))
     except MSGPACK_DECODE_ERRORS as exc:
         raise LocalProtocolError(
             f"cannot encode PUSH_REG for request {reg.request_id!r}: {exc}"
@@ -127,8 +195,10 @@ def decode_push_reg(
         )
     if not data.startswith(PUSH_REG_PREFIX):
         raise RemoteProtocolError("notif does not start with PUSH_REG:", peer=peer)
+    body = memoryview(data)[len(PUSH_REG_PREFIX) :]
+    check_msgpack(body, max_items=2 * max_blocks + 64, what="PUSH_REG", peer=peer)
     try:
-        reg = _DECODER.decode(memoryview(data)[len(PUSH_REG_PREFIX) :])
+        reg = _from_wire(_DECODER.decode(body))
     except MSGPACK_DECODE_ERRORS as exc:
         raise RemoteProtocolError(f"malformed PUSH_REG: {exc}", peer=peer) from exc
     problem = _problem(reg, max_blocks)

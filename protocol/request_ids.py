@@ -2,9 +2,10 @@
 
 The proxy hands both legs the same ``X-Request-Id``, so P and D wrap it the same way
 (``cmpl-<uuid>-<index>``), but each engine appends its own random suffix of eight
-lowercase hex digits. Stripping that suffix, and nothing else, gives both sides the same
-base id while keeping the completion index, so the sub-requests of a multi-prompt
-completion stay distinct.
+hex digits. Stripping that suffix, and nothing else, gives both sides the same base id
+while keeping the completion index, so the sub-requests of a multi-prompt completion stay
+distinct. Like vLLM 0.33 the hex digits match in either case (C-01); unlike it, a suffix
+with nothing before it, or followed by a newline, is not stripped.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ __all__ = ["RANDOM_SUFFIX_HEX_DIGITS", "get_base_request_id"]
 RANDOM_SUFFIX_HEX_DIGITS = 8
 """Length of the per-engine random suffix appended to every request id."""
 
-_WITH_SUFFIX = re.compile(r"(.+)-[0-9a-f]{8}", re.DOTALL)
+_WITH_SUFFIX = re.compile(r"(.+)-[0-9a-fA-F]{8}", re.DOTALL)
 
 
 def get_base_request_id(request_id: str) -> str:
-    """Return ``request_id`` without its trailing ``-<8 lowercase hex>`` suffix.
+    """Return ``request_id`` without its trailing ``-<8 hex>`` suffix (either case).
 
     ``cmpl-<uuid>-<index>-<8hex>`` becomes ``cmpl-<uuid>-<index>``. Only one suffix is
     stripped, only when something precedes it, and any other id is returned unchanged.

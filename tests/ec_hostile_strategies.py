@@ -19,10 +19,11 @@ import msgspec
 from hypothesis import strategies as st
 
 from kvhandoff.protocol.ec_grants import grant_ack, nack
-from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+from kvhandoff.protocol.ec_status import XferStatus
 from kvhandoff.protocol.ec_wire import (
     XferDone,
     XferReq,
+    encode_mem_descriptor,
     encode_xfer_ack,
     encode_xfer_done,
     encode_xfer_req,
@@ -38,10 +39,10 @@ __all__ = [
 
 def _req(**fields: Any) -> XferReq:
     base: dict[str, Any] = {
-        "version": EC_CONNECTOR_VERSION,
-        "transfer_id": "6f1c2a9e0d4b7385",
         "mm_hash": "mm-0",
         "compat_hash": "c" * 64,
+        "session_id": "5e55",
+        "transfer_id": "6f1c2a9e0d4b7385",
         "consumer_engine_id": "consumer",
         "consumer_agent_name": "consumer",
         "num_blocks": 2,
@@ -64,14 +65,27 @@ def valid_ec_messages() -> list[bytes]:
         region_base_addr=4096,
         lease_s=30.0,
     )
-    done = XferDone(
-        version=EC_CONNECTOR_VERSION, transfer_id=req.transfer_id, mm_hash="mm-0", ok=True
+    done = XferDone(mm_hash="mm-0", transfer_id=req.transfer_id, ok=True)
+    stock_req = XferReq("mm-0", "c" * 64, "5e55")  # vLLM 0.33's own form (C-03)
+    stock_ok = grant_ack(
+        stock_req,
+        producer_agent_name="",
+        producer_agent_metadata=b"md",
+        block_indices=[3, 4],
+        block_size_bytes=8,
+        size_bytes=16,
+        region_base_addr=4096,
+        lease_s=30.0,
+        mem_descriptor=encode_mem_descriptor(4096, 8, 8),
     )
     return [
         encode_xfer_req(req),
         encode_xfer_ack(ok),
         encode_xfer_ack(nack(req, XferStatus.NACK_NOT_READY)),
         encode_xfer_done(done),
+        encode_xfer_req(stock_req),
+        encode_xfer_ack(stock_ok),
+        encode_xfer_ack(nack(stock_req, XferStatus.NACK_MISSING)),
     ]
 
 
@@ -130,8 +144,14 @@ _WRONG_VALUES: tuple[bytes, ...] = (
 )
 
 _FIELDS: tuple[str, ...] = (
+    "type",
     "kind",
-    "version",
+    "connector_version",
+    "session_id",
+    "compatibility_hash",
+    "src_block_indices",
+    "agent_metadata",
+    "mem_descriptor",
     "transfer_id",
     "mm_hash",
     "status",
@@ -177,10 +197,11 @@ def _huge_container(draw: st.DrawFn) -> bytes:
 
 @st.composite
 def _wrong_type(draw: st.DrawFn) -> bytes:
-    kind = draw(st.sampled_from(["XferReq", "XferAck", "XferDone", "Nope", ""]))
+    kind = draw(st.sampled_from(["req", "ack", "done", "XferReq", "Nope", ""]))
+    tag = draw(st.sampled_from(["type", "kind"]))
     fields = draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=10, unique=True))
     body = bytearray(_map_header(len(fields) + 1))
-    body += msgspec.msgpack.encode("kind") + msgspec.msgpack.encode(kind)
+    body += msgspec.msgpack.encode(tag) + msgspec.msgpack.encode(kind)
     for name in fields:
         body += msgspec.msgpack.encode(name)
         body += draw(st.sampled_from((*_WRONG_VALUES, nested(draw(st.integers(1, 40))))))

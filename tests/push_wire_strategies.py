@@ -11,10 +11,12 @@ from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     HandshakePayload,
     compatibility_hash,
+    encode_handshake,
 )
 from kvhandoff.protocol.push_wire import (
     PUSH_REG_PREFIX,
     PushRegistration,
+    encode_push_reg,
 )
 
 PEER = "peer-under-test"
@@ -47,7 +49,7 @@ def registrations(draw: st.DrawFn) -> PushRegistration:
         decode_host=draw(ids),
         decode_port=draw(ports),
         decode_tp_size=tp_size,
-        decode_tp_rank=draw(st.integers(0, tp_size - 1)),
+        decode_tp_rank=draw(st.none() | st.integers(0, tp_size - 1)),
         block_ids=tuple(draw(st.lists(st.integers(0, 2**40), max_size=50))),
         remote_engine_id=draw(ids),
         remote_host=draw(ids),
@@ -120,11 +122,86 @@ def sample_handshake(**changes: Any) -> HandshakePayload:
     return msgspec.structs.replace(base, **changes)
 
 
+def handshake_maps(
+    payload: HandshakePayload | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The outer map and the agent metadata map of a payload's wire form (C-01)."""
+    outer: dict[str, Any] = msgspec.msgpack.decode(encode_handshake(payload or sample_handshake()))
+    agent: dict[str, Any] = msgspec.msgpack.decode(outer["agent_metadata_bytes"])
+    return outer, agent
+
+
+def handshake_bytes(payload: HandshakePayload | None = None, **changes: Any) -> bytes:
+    """Wire bytes from (possibly edited) maps; `changes` edit the agent map, except the
+    keys `extras` (merged into the `kvhandoff` map) and `outer` (merged into the outer)."""
+    outer, agent = handshake_maps(payload)
+    if "extras" in changes:
+        outer["kvhandoff"] = {**outer["kvhandoff"], **changes.pop("extras")}
+    agent.update(changes.pop("agent", {}))
+    outer_changes = changes.pop("outer", {})
+    agent.update(changes)
+    outer["agent_metadata_bytes"] = msgspec.msgpack.encode(agent)
+    outer.update(outer_changes)
+    return msgspec.msgpack.encode(outer)
+
+
 def raw_reg_dict(**changes: Any) -> dict[str, Any]:
-    raw: dict[str, Any] = msgspec.to_builtins(sample_registration())
+    """The wire map of the sample registration (vLLM 0.33's keys, C-01), edited."""
+    body = encode_push_reg(sample_registration())[len(PUSH_REG_PREFIX) :]
+    raw: dict[str, Any] = msgspec.msgpack.decode(body)
     raw.update(changes)
     return raw
 
 
 def push_reg_bytes(raw: Any) -> bytes:
     return PUSH_REG_PREFIX + msgspec.msgpack.encode(raw)
+
+
+# -- side-channel requests (C-01, S-01) -------------------------------------------------
+
+GET_META_MSG = b"get_meta_msg"
+
+
+def _not_the_valid_request(frames: list[bytes]) -> bool:
+    """True unless `frames` happen to be the one request the server under test answers."""
+    if len(frames) != 2 or frames[0] != b"":
+        return True
+    try:
+        value = msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return True
+    return not (
+        isinstance(value, list)
+        and len(value) == 3
+        and value[0] == GET_META_MSG
+        and type(value[1]) is int
+        and type(value[2]) is int
+        and (value[1], value[2]) == (0, 0)
+    )
+
+
+_ranks = st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4) | st.none()
+_verbs = st.sampled_from([GET_META_MSG, b"GET_META", b"get_meta", b""]) | st.binary(max_size=16)
+
+hostile_side_channel_requests = st.one_of(
+    # garbage frames, any count (what a DEALER sends; the ROUTER adds the identity)
+    st.lists(st.binary(max_size=64), min_size=1, max_size=5),
+    # kvhandoff's old dialect, with and without the REQ delimiter
+    st.sampled_from([[b"GET_META"], [b"", b"GET_META"]]),
+    # a msgpack value of any shape after the delimiter
+    msgpack_values.map(lambda v: [b"", msgspec.msgpack.encode(v)]),
+    # the right shape, wrong verb or ranks (a rank the engine lacks included)
+    st.tuples(_verbs, _ranks, _ranks).map(lambda t: [b"", msgspec.msgpack.encode(list(t))]),
+    st.integers(1, 3).map(lambda tp: [b"", msgspec.msgpack.encode([GET_META_MSG, 0, tp])]),
+    # nesting deeper than any decoder should recurse
+    st.integers(2, 900).map(lambda depth: [b"", b"\x91" * depth + b"\xc0"]),
+    # a valid request in the wrong envelope
+    st.sampled_from(
+        [
+            [msgspec.msgpack.encode([GET_META_MSG, 0, 0])],
+            [b"x", msgspec.msgpack.encode([GET_META_MSG, 0, 0])],
+            [b"", msgspec.msgpack.encode([GET_META_MSG, 0, 0]), b""],
+        ]
+    ),
+).filter(_not_the_valid_request)
+"""Side-channel messages (DEALER frames) that a server serving only rank (0, 0) must drop."""

@@ -1,7 +1,9 @@
 """R-E05 on CUDA: `CudaCopyEngine` saves and loads token rows with the bytes verified.
 
 Every copy method is checked on scattered and contiguous blocks, with row sizes that
-select 16-, 8- and 2-byte words. Skipped, with the reason, where CUDA is absent.
+select 16-, 8- and 2-byte words. Skipped, with the reason, where CUDA or cuda-python (the
+`gpu` extra: `cuda.bindings` for the runtime calls, `cuda.core` for the row kernel) is
+absent.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from kvhandoff.adapters.cuda import bindings
 from kvhandoff.adapters.shm.region import SharedRegion
 from kvhandoff.machines.ec.meta import CopyItem
 
@@ -21,6 +24,11 @@ if not torch.cuda.is_available():
     pytest.skip(
         f"CUDA not available: torch {torch.__version__} (CUDA build {torch.version.cuda}) "
         "sees no GPU; the CUDA copy engine runs on a GPU machine",
+        allow_module_level=True,
+    )
+if not bindings.available():
+    pytest.skip(
+        "cuda-python is not installed: the CUDA copy engine needs kvhandoff[gpu]",
         allow_module_level=True,
     )
 
@@ -315,6 +323,22 @@ def test_R_E05_cuda_bad_batches_are_reported_failed(region_of: MakeRegion) -> No
         while len(seen) < 4 and time.monotonic() < deadline:
             seen.update(engine.poll())
         assert seen == {1: False, 2: False, 3: False, 4: True}
+    finally:
+        engine.close()
+        del host
+
+
+def test_R_E05_cuda_row_kernel_compiles_through_cuda_core(region_of: MakeRegion) -> None:
+    # The row kernel is optional above (skipped where unavailable): where cuda.core is
+    # installed it must compile and load, so a broken cuda.core path cannot hide there.
+    if bindings.core() is None:
+        pytest.skip("cuda.core is not installed: auto falls back to torch indexing kernels")
+    region = region_of(8192)
+    host = region.as_tensor()
+    engine = CudaCopyEngine(host, 8192, method="row_kernel")
+    try:
+        assert engine.row_kernel_unavailable == ""
+        assert engine.batch_unavailable == "" or "12.8" in engine.batch_unavailable
     finally:
         engine.close()
         del host

@@ -18,7 +18,7 @@ from kvhandoff.machines.ec.p2p import random_transfer_id
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.rejections import RejectionLog
-from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+from kvhandoff.protocol.ec_status import XferStatus
 from kvhandoff.protocol.ec_wire import XferAck, encode_xfer_ack
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.sim.ec.plane import BLOCK_BYTES, COMPAT, layout, transfer_config
@@ -28,7 +28,7 @@ EVIL = "evil.sim:6000"
 
 
 def nack_for(transfer_id: str, mm_hash: str, status: XferStatus) -> bytes:
-    return encode_xfer_ack(XferAck(EC_CONNECTOR_VERSION, transfer_id, mm_hash, status, ""))
+    return encode_xfer_ack(XferAck(mm_hash, status, transfer_id=transfer_id))
 
 
 def test_S_02_an_ack_from_another_producer_changes_nothing() -> None:

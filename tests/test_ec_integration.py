@@ -226,7 +226,11 @@ def test_R_E06_R_E07_R_E11_ok_read_over_nixl_verifies_every_byte(
     assert consumer.reads_in_flight() == 0
     # XferDone released the producer's pin at once: no grant lives on, the entry is ready.
     poll_until(lambda: status(producer)["grants"] == {}, 10, "the grant released by XferDone")
-    assert status(producer)["entries"]["img-ok"] == "ready"
+    report = status(producer)
+    assert report["entries"]["img-ok"] == "ready"
+    # kvhandoff to kvhandoff keeps its extensions (C-04): the grant ended with XferDone,
+    # and the READ carried no notif (that is how a stock vLLM producer is released).
+    assert report["metrics"].get("ec.producer.notif", 0) == 0
 
 
 def test_R_E08_B_04_not_ready_then_ok_keeps_the_destination(

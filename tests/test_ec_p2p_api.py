@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from test_ec_api import META, NOW, request
 
@@ -89,15 +90,22 @@ def test_R_E06_publication_metadata_and_address_together_or_neither() -> None:
     sim = Sim(1, producer_blocks=4)
     params = produce(sim, "h", 3)
     assert params == {
-        "h": {"metadata": META, "peer_host": "producer.sim", "peer_port": 5601, "size_bytes": 24}
+        "h": {
+            "metadata": META,
+            "peer_host": "producer.sim",
+            "peer_port": 5601,
+            "size_bytes": 24,
+            "item_indices": [0],
+            "shape": [3, layout(4).hidden_dim],
+        }
     }
     parsed = parse_ec_transfer_params(params)["h"]
     assert parsed is not None and parsed.size_bytes == 3 * BLOCK_BYTES
     too_big = produce(sim, "big", 5)  # the region holds 4 blocks: never stored
-    assert too_big == {"big": {"metadata": {}}}
+    assert too_big == {"big": {"metadata": {}, "item_indices": [0]}}
     no_metadata = request("p-x", "h")  # resident, but the model gave no metadata
     assert sim.producer.scheduler.request_finished(no_metadata, sim.clock.now) == {
-        "h": {"metadata": {}}
+        "h": {"metadata": {}, "item_indices": [0]}
     }
     assert parse_ec_transfer_params(too_big) == {"big": None}
 
@@ -256,7 +264,12 @@ def test_R_E09_R_E10_bad_requests_get_the_right_nack(
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", b"\x93\x01\x02\x03", encode_xfer_ack(XferAck(1, "t", "h", XferStatus.OK, ""))],
+    [
+        b"",
+        b"\xc1",
+        b"\x93\x01\x02\x03",
+        encode_xfer_ack(XferAck("h", XferStatus.OK, transfer_id="t")),
+    ],
 )
 def test_R_E09_malformed_producer_input_is_a_counted_remote_error(data: bytes) -> None:
     sim = Sim(11)
@@ -275,7 +288,7 @@ def test_R_E09_duplicate_transfer_and_unknown_done_are_remote_errors() -> None:
         sim.producer.scheduler.on_producer_message(
             b"peer", encode_xfer_req(a_request()), sim.clock.now
         )
-    done = XferDone(version=EC_CONNECTOR_VERSION, transfer_id="t1", mm_hash="h", ok=True)
+    done = XferDone(mm_hash="h", transfer_id="t1", ok=True)
     with pytest.raises(RemoteProtocolError, match="no live grant"):
         sim.producer.scheduler.on_producer_message(
             b"other-peer", encode_xfer_done(done), sim.clock.now
@@ -294,19 +307,19 @@ def test_R_E08_malformed_or_unknown_acks_are_counted_and_change_nothing() -> Non
     assert read is not None and read.state == "xfer_req_sent"
     tid = read.ctx.transfer_id
     assert len(tid) == 32 and int(tid, 16) >= 0, "128 random bits: nobody guesses it (S-02)"
-    bad_status = encode_xfer_ack(XferAck(1, tid, "h", XferStatus.OK, "")).replace(b"OK", b"OX")
+    bad_status = msgspec.msgpack.encode({"type": "ack", "mm_hash": "h", "status": 9})
     cases = [
         b"junk",
         bad_status,  # unknown status
-        encode_xfer_ack(XferAck(1, tid, "unknown", XferStatus.NACK_MISSING, "")),
-        encode_xfer_ack(XferAck(1, "someone-else", "h", XferStatus.NACK_MISSING, "")),
+        encode_xfer_ack(XferAck("unknown", XferStatus.NACK_MISSING, transfer_id=tid)),
+        encode_xfer_ack(XferAck("h", XferStatus.NACK_MISSING, transfer_id="someone-else")),
     ]
     for data in cases:
         with pytest.raises(RemoteProtocolError):
             scheduler.on_xfer_ack(data, sim.clock.now, peer=PRODUCER)
     assert scheduler.counters()["consumer_remote_errors"] == len(cases)
     assert read.state == "xfer_req_sent" and read.ctx.transfer_id == tid
-    not_ready = XferAck(1, tid, "h", XferStatus.NACK_NOT_READY, "")
+    not_ready = XferAck("h", XferStatus.NACK_NOT_READY, transfer_id=tid)
     scheduler.on_xfer_ack(encode_xfer_ack(not_ready), sim.clock.now, peer=PRODUCER)
     scheduler.build_connector_meta(sim.clock.now)  # the next step asks again, a fresh id
     assert read.ctx.transfer_id != tid and read.ctx.past_ids == [tid]
@@ -388,3 +401,28 @@ def test_R_E12_an_ack_that_arrives_after_its_timeout_starts_no_read() -> None:
     assert sim.reads_started == 0, "no READ of a grant whose lease may be over"
     (done,) = sent  # the late OK is released at once, not after the 30 s lease
     assert (done.done.transfer_id, done.done.ok) == (ack.transfer_id, False)
+
+
+def test_C_03_stock_consumer_grant_released_by_read_notif_and_hostile_notifs_counted() -> None:
+    """A stock vLLM consumer's request (no transfer id) is granted under its session; the
+    NIXL notif `<session_id>:<mm_hash>` its READ carries releases the grant once; a notif
+    that is not UTF-8 or names nothing is counted, never raised past the adapter."""
+    sim = Sim(31)
+    produce(sim, "h")
+    scheduler = sim.producer.scheduler
+    stock = XferReq("h", COMPAT, "sess-9")
+    ack = producer_answers(sim, encode_xfer_req(stock))
+    assert ack.status is XferStatus.OK and ack.session_id == "sess-9"
+    assert ack.mem_descriptor, "a consumer without `region_base` gets vLLM's descriptor list"
+    assert sim.producer.scheduler.cache.state("h") == "pinned"
+    # Asked again under the same session (its ack wait ran out): the old pin goes first.
+    producer_answers(sim, encode_xfer_req(stock))
+    assert scheduler.producer.superseded == 1  # type: ignore[union-attr]
+    assert scheduler.on_read_notif("agent-c", b"sess-9:h", sim.clock.now)
+    assert sim.producer.scheduler.cache.state("h") == "ready", "unpinned, once"
+    assert not scheduler.on_read_notif("agent-c", b"sess-9:h", sim.clock.now)  # late
+    for junk in (b"\xff\xfe", b"no-colon", b"x" * 600):
+        with pytest.raises(RemoteProtocolError):
+            scheduler.on_read_notif("evil", junk, sim.clock.now)
+    counters = scheduler.producer  # type: ignore[union-attr]
+    assert counters is not None and (counters.late_notifs, counters.remote_errors) == (1, 3)

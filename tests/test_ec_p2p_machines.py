@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from test_ec_machines import discards, effects, isolated_bus
 
@@ -36,6 +37,7 @@ from kvhandoff.machines.ec.producer_grant import (
     EC_PRODUCER_GRANT,
     Check,
     GrantCtx,
+    ReadNotified,
     SendXferAck,
     XferDone,
 )
@@ -45,6 +47,7 @@ from kvhandoff.machines.runtime.effects import Emit
 from kvhandoff.protocol.ec_grants import check_xfer_req, grant_ack, nack
 from kvhandoff.protocol.ec_status import (
     EC_CONNECTOR_VERSION,
+    EXTENSIONS,
     NACKS,
     RETRYABLE_NACKS,
     XferStatus,
@@ -116,7 +119,7 @@ def ack(bus: EventBus, reply: XferAck, now: float = 0.0) -> None:
 def test_R_E07_xfer_req_then_read_then_done() -> None:
     bus = read_bus()
     req = sent_request(bus)
-    assert (req.version, req.mm_hash, req.num_blocks, req.size_bytes) == (1, "h", 3, 24)
+    assert (req.version, req.mm_hash, req.num_blocks, req.size_bytes) == (2, "h", 3, 24)
     assert req.compat_hash == COMPAT and req.transfer_id == f"{1:032x}"
     assert "xfer_done" in req.extensions, "the consumer advertises its extensions (C-04)"
     assert bus.has_tag(EC_CONSUMER_READ, "h", "awaiting_ack")
@@ -145,6 +148,43 @@ def test_C_04_xfer_done_only_to_a_producer_that_advertised_it() -> None:
     effects(bus)
     bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
     assert not any(isinstance(e, SendXferDone) for e in effects(bus))
+
+
+def test_C_04_the_read_notif_releases_a_stock_grant_xfer_done_a_kvhandoff_one() -> None:
+    """Exactly one release per grant: a producer that advertised `xfer_done` gets
+    `XferDone` and a READ without a notif; any other (a stock vLLM producer) gets the
+    READ notif `<session_id>:<mm_hash>` and no `XferDone` (C-03, C-04)."""
+    for extensions in (EXTENSIONS, ()):
+        bus = read_bus()
+        inst = bus.get(EC_CONSUMER_READ, "h")
+        assert inst is not None
+        inst.ctx.session_id = "sess"
+        grant = granted(sent_request(bus))
+        ack(bus, msgspec.structs.replace(grant, extensions=extensions))
+        (read,) = effects(bus)
+        assert isinstance(read, IssueRead)
+        assert read.notif == (b"" if extensions else b"sess:h")
+        bus.dispatch(EC_CONSUMER_READ, "h", ReadDone(), 0.0)
+        dones = [e for e in effects(bus) if isinstance(e, SendXferDone)]
+        assert len(dones) == (1 if extensions else 0)
+
+
+def test_C_03_a_grant_ends_once_by_notif_or_xfer_done() -> None:
+    for release in ("notif", "done"):
+        bus = grant_bus()
+        req = a_request(session_id="sess")
+        key = (b"peer", req.transfer_id)
+        create_grant(bus, key)
+        inst = bus.get(EC_PRODUCER_GRANT, key)
+        assert inst is not None
+        inst.ctx.notif_key = "sess:h"
+        bus.dispatch(EC_PRODUCER_GRANT, key, check_of(req, "ready"), 0.0)
+        effects(bus)
+        first = ReadNotified() if release == "notif" else XferDone(True)
+        bus.dispatch(EC_PRODUCER_GRANT, key, first, 0.0)
+        assert [e.event for e in effects(bus) if isinstance(e, Emit)] == [Unpin(consumed=True)]
+        with pytest.raises(RemoteProtocolError):  # the second release finds no grant
+            bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(True), 0.0)
 
 
 def test_R_E11_read_uses_the_agent_metadata_carried_by_the_ack() -> None:
@@ -362,7 +402,13 @@ def answer(bus: EventBus, req: XferReq, state: str | None, *, agent: bool = True
 @pytest.mark.parametrize(
     ("req", "state", "status"),
     [
-        (a_request(version=2, compat_hash="x"), None, XferStatus.NACK_VERSION),
+        (a_request(version=1, compat_hash="x"), None, XferStatus.NACK_VERSION),
+        (a_request(transfer_id=""), "ready", XferStatus.NACK_INTERNAL),
+        (
+            a_request(transfer_id="", session_id="s", size_bytes=0, num_blocks=0),
+            "ready",
+            XferStatus.OK,
+        ),
         (a_request(compat_hash="other"), None, XferStatus.NACK_INCOMPAT),
         (a_request(), None, XferStatus.NACK_MISSING),
         (a_request(size_bytes=24, num_blocks=3), "ready", XferStatus.NACK_MISSING),

@@ -5,6 +5,7 @@ publication in `ec_transfer_params`. The control-plane messages are tested in
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Any
 
@@ -44,22 +45,31 @@ def test_R_E08_retryable_nacks_is_exactly_not_ready() -> None:
             assert not is_retryable(status), status
 
 
-def test_R_E08_statuses_are_ok_plus_five_nacks_with_stable_wire_strings() -> None:
-    assert {s.value for s in XferStatus} == {
-        "OK",
-        "NACK_MISSING",
-        "NACK_NOT_READY",
-        "NACK_INCOMPAT",
-        "NACK_VERSION",
-        "NACK_INTERNAL",
+def test_C_03_statuses_are_vllm_integers_with_their_names() -> None:
+    # vLLM 0.33.0's XferStatus: the same six names, the same integers on the wire (C-03).
+    assert {s.name: s.value for s in XferStatus} == {
+        "OK": 0,
+        "NACK_MISSING": 1,
+        "NACK_INCOMPAT": 2,
+        "NACK_VERSION": 3,
+        "NACK_INTERNAL": 4,
+        "NACK_NOT_READY": 5,
     }
     assert frozenset(XferStatus) - {XferStatus.OK} == NACKS
     assert RETRYABLE_NACKS <= NACKS
-    assert XferStatus("NACK_MISSING") is XferStatus.NACK_MISSING
+    assert XferStatus["NACK_MISSING"] is XferStatus(1) is XferStatus.NACK_MISSING
+    assert str(XferStatus.NACK_MISSING) == f"{XferStatus.NACK_MISSING}" == "NACK_MISSING"
 
 
-def test_R_E09_connector_version_is_one() -> None:
-    assert EC_CONNECTOR_VERSION == 1
+def test_C_03_connector_version_is_vllms() -> None:
+    assert EC_CONNECTOR_VERSION == 2
+
+
+def test_C_03_compat_hash_is_vllms_digest_of_the_same_inputs() -> None:
+    factors = json.dumps(
+        ["0.1.0", "Qwen/Qwen3-VL-8B", "torch.bfloat16", 8192], separators=(",", ":")
+    )
+    assert hashlib.sha256(factors.encode()).hexdigest() == HASH
 
 
 # -- compatibility hash ------------------------------------------------------------------

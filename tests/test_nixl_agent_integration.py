@@ -92,7 +92,7 @@ class Pair:
         self.local_blocks = self.agent.prep_local_blocks(regions_of(self.buf.ctypes.data))
         self.connect()
 
-    def _payload(self) -> bytes:
+    def _payload(self, pp_rank: int, tp_rank: int) -> bytes:
         return msgspec.msgpack.encode({"meta": self.agent.metadata()})
 
     def connect(self) -> None:

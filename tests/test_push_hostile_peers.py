@@ -24,7 +24,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from push_harness import D_AGENT, D_ENGINE, P_ENGINE, registration, writer
-from push_wire_strategies import PEER, handshakes, msgpack_values, sample_handshake
+from push_wire_strategies import (
+    PEER,
+    handshake_maps,
+    handshakes,
+    msgpack_values,
+    sample_handshake,
+)
 
 from kvhandoff.machines.push.events import HandshakeStarted, Heartbeat, Matched, Staged
 from kvhandoff.machines.push.match import MATCH
@@ -37,8 +43,11 @@ from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     EngineHandshake,
     decode_engine_handshake,
+    decode_handshake,
     encode_engine_handshake,
+    engine_bundle_parts,
 )
+from kvhandoff.protocol.nixl_wire import AgentMetadataWire, HandshakeWire, KvhandoffExtras
 from kvhandoff.protocol.notifs import (
     encode_completion_notif,
     encode_heartbeat,
@@ -191,25 +200,34 @@ def _engine(ranks: int = 2) -> EngineHandshake:
     )
 
 
+AGENT_FIELDS = [*AgentMetadataWire.__struct_fields__, "extra"]
+EXTRA_FIELDS = [*KvhandoffExtras.__struct_fields__, "extra"]
+
+
 @settings(deadline=None, max_examples=300)
 @given(
-    field=st.sampled_from([*EngineHandshake.__struct_fields__, "extra"]),
-    rank_field=st.none() | st.sampled_from(["tp_rank", "engine_id", "num_blocks", "extra"]),
+    where=st.sampled_from(["outer", "agent", "kvhandoff"]),
+    field=st.sampled_from(sorted({*HandshakeWire.__struct_fields__, *AGENT_FIELDS, *EXTRA_FIELDS})),
+    rank=st.integers(0, 1),
     value=msgpack_values,
     drop=st.booleans(),
 )
 def test_S_01_decode_engine_handshake_on_mutated_maps_raises_only_remote_errors(
-    field: str, rank_field: str | None, value: Any, drop: bool
+    where: str, field: str, rank: int, value: Any, drop: bool
 ) -> None:
-    raw: dict[str, Any] = msgspec.to_builtins(_engine())
-    target = raw["ranks"][1] if rank_field is not None else raw
-    name = rank_field if rank_field is not None else field
+    """One rank's wire maps (C-01: vLLM's outer map, its agent metadata map, kvhandoff's
+    extras) mutated: the engine decodes whole or is refused with a remote error."""
+    parts = list(engine_bundle_parts(encode_engine_handshake(_engine())))
+    outer, agent = handshake_maps(decode_handshake(parts[rank]))
+    target = {"outer": outer, "agent": agent, "kvhandoff": outer["kvhandoff"]}[where]
     if drop:
-        target.pop(name, None)
+        target.pop(field, None)
     else:
-        target[name] = value
+        target[field] = value
+    outer["agent_metadata_bytes"] = msgspec.msgpack.encode(agent)
+    parts[rank] = msgspec.msgpack.encode(outer)
     try:
-        engine = decode_engine_handshake(msgspec.msgpack.encode(raw), peer=PEER)
+        engine = decode_engine_handshake(parts, peer=PEER, engine_id="engine-D", tp_size=2)
     except RemoteProtocolError as exc:
         assert exc.peer == PEER
     else:

@@ -236,9 +236,11 @@ def test_R_P10_watchdog_drops_registrations_of_an_absent_prefill() -> None:
 class SlowHandshakeTransport(NixlPushTransport):
     """Stalls the P->D handshake (a slow network), so the push outlives the lease."""
 
-    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
+    def fetch_handshake(
+        self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
+    ) -> list[bytes]:
         time.sleep(2.0)  # simulated network stall inside the fault injector
-        return super().fetch_handshake(host, port, timeout_s)
+        return super().fetch_handshake(host, port, timeout_s, ranks)
 
 
 def test_R_P08_R_P15_heartbeats_keep_a_lease_alive(prefill_factory: Any) -> None:
@@ -274,7 +276,7 @@ def test_B09_pull_mode_on_the_same_base(prefill_factory: Any) -> None:
         blocks = p.memory.allocate(req.num_blocks)
         p.memory.fill(req.client_id, blocks)
         delay_free, params = p.side.request_finished(rid, blocks, {"do_remote_decode": True})
-        assert delay_free and params is not None and params["remote_block_ids"] == blocks
+        assert delay_free and params is not None and params["remote_block_ids"] == [blocks]
         relay(d, {"client": req.client_id, "params": params})
     sent: set[str] = set()
     poll_until(lambda: (sent.update(p.step().finished_sending), len(sent) == 4)[1], 40, "reads")

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from push_wire_strategies import (
+    handshake_bytes,
     handshakes,
     ids,
     msgpack_values,
@@ -199,40 +200,45 @@ def test_R_P15_handshake_round_trips(payload: HandshakePayload) -> None:
 
 
 def test_R_P15_handshake_without_region_members_decodes_as_not_advertised() -> None:
-    raw = msgspec.structs.asdict(sample_handshake())
-    del raw["region_members"]
-    assert decode_handshake(msgspec.msgpack.encode(raw)).region_members == ()
-
-
-def _handshake_bytes(**changes: Any) -> bytes:
-    raw: dict[str, Any] = msgspec.structs.asdict(sample_handshake())
-    raw.update(changes)
-    return msgspec.msgpack.encode(raw)
+    assert decode_handshake(handshake_bytes(region_members=[])).region_members == ()
 
 
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        (_handshake_bytes(tp_rank=2), "tp_rank 2 is not below tp_size 2"),
-        (_handshake_bytes(num_blocks=[1]), "per-region lists disagree"),
-        (_handshake_bytes(region_base_addrs=[1, 2, 3]), "per-region lists disagree"),
-        (_handshake_bytes(kv_block_lens=[], num_blocks=[], region_base_addrs=[]), "0 regions"),
-        (_handshake_bytes(region_members=[["a"]]), "1 region_members entries for 2 regions"),
-        (_handshake_bytes(region_members=[["a"], []]), "region 1 advertises no members"),
-        (_handshake_bytes(region_members=[["a"], [""]]), "region_members"),
-        (_handshake_bytes(num_blocks=[0, 1]), "num_blocks"),
-        (_handshake_bytes(physical_blocks_per_logical=0), "physical_blocks_per_logical"),
-        (_handshake_bytes(compatibility_hash="ABC"), "compatibility_hash"),
-        (_handshake_bytes(compatibility_hash=valid_hash() + "\n"), "compatibility_hash"),
-        (_handshake_bytes(agent_metadata=b""), "agent_metadata"),
-        (_handshake_bytes(agent_metadata="text"), "agent_metadata"),
-        (_handshake_bytes(surprise=True), "unknown field `surprise`"),
+        (handshake_bytes(extras={"tp_rank": 2}), "tp_rank 2 is not below tp_size 2"),
+        (handshake_bytes(region_num_blocks=[1]), "per-region lists disagree"),
+        (handshake_bytes(kv_caches_base_addr=[1, 2, 3]), "per-region lists disagree"),
         (
-            _handshake_bytes(region_base_addrs=[2**64 - 4096, 0]),
+            handshake_bytes(
+                kv_caches_base_addr=[], block_lens=[], block_strides=[], region_num_blocks=[]
+            ),
+            "0 regions",
+        ),
+        (handshake_bytes(region_members=[["a"]]), "1 region_members entries for 2 regions"),
+        (handshake_bytes(region_members=[["a"], []]), "region 1 advertises no members"),
+        (handshake_bytes(region_members=[["a"], [""]]), "region_members"),
+        (handshake_bytes(region_num_blocks=[0, 1]), "num_blocks"),
+        (handshake_bytes(physical_blocks_per_logical_kv_block=0), "physical_blocks_per_logical"),
+        (handshake_bytes(block_strides=[8192, 4096]), "block strides differ"),
+        (handshake_bytes(ssm_sizes=[1, 2]), "SSM"),
+        (handshake_bytes(dcp_size=2), "DCP 2"),
+        (handshake_bytes(outer={"compatibility_hash": "ABC"}), "compatibility_hash"),
+        (
+            handshake_bytes(outer={"compatibility_hash": valid_hash() + "\n"}),
+            "compatibility_hash",
+        ),
+        (handshake_bytes(agent_metadata=b""), "agent_metadata"),
+        (handshake_bytes(agent_metadata="text"), "agent_metadata"),
+        (handshake_bytes(outer={"agent_metadata_bytes": b"\xc1"}), "agent metadata refused"),
+        (handshake_bytes(outer={"kvhandoff": None}), "needs the rank it was asked for"),
+        (
+            handshake_bytes(kv_caches_base_addr=[2**64 - 4096, 0]),
             "region 0 runs past the end of the 64-bit address space",
         ),
         (msgspec.msgpack.encode([1, 2]), "malformed handshake"),
-        (b"\xc1", "malformed handshake"),
+        (b"\xc1", "handshake refused"),
+        (b"\x91" * 4000, "nested deeper"),
     ],
 )
 def test_R_P15_decode_handshake_rejects_bad_payloads(data: bytes, expected: str) -> None:
@@ -241,11 +247,27 @@ def test_R_P15_decode_handshake_rejects_bad_payloads(data: bytes, expected: str)
     assert info.value.peer == PEER
 
 
-def test_R_P15_handshake_version_mismatch_is_reported_before_unknown_fields() -> None:
-    data = msgspec.msgpack.encode(
-        {"protocol_version": HANDSHAKE_PROTOCOL_VERSION + 1, "engine_id": "new-P", "novel": 1}
-    )
-    expected = f"engine 'new-P' speaks protocol version {HANDSHAKE_PROTOCOL_VERSION + 1}"
+def test_C_01_handshake_ignores_unknown_keys_like_vllm() -> None:
+    """A newer peer's extra keys are skipped, in both maps (vLLM's decoder does the same)."""
+    data = handshake_bytes(surprise=True, outer={"novel": {"x": [1]}}, extras={"later": 1})
+    assert decode_handshake(data) == sample_handshake()
+
+
+def test_C_01_stock_vllm_payload_takes_the_coordinates_the_request_named() -> None:
+    """No `kvhandoff` key: a stock vLLM rank; its TP/PP come from the request (C-04: it
+    advertises no extension)."""
+    data = handshake_bytes(outer={"kvhandoff": None})
+    payload = decode_handshake(data, slot=(2, 1, 1, 0))
+    assert (payload.tp_size, payload.tp_rank, payload.pp_size, payload.pp_rank) == (2, 1, 1, 0)
+    assert payload.protocol_version == 0 and not payload.from_kvhandoff
+    assert payload.extensions == () and payload.agent_name == "" and payload.backend == ""
+    with pytest.raises(RemoteProtocolError, match="asked for"):
+        decode_handshake(handshake_bytes(), slot=(2, 1, 1, 0))  # says rank 0
+
+
+def test_R_P15_handshake_version_mismatch_is_reported_before_other_fields() -> None:
+    data = handshake_bytes(extras={"protocol_version": HANDSHAKE_PROTOCOL_VERSION + 1})
+    expected = f"kvhandoff protocol version {HANDSHAKE_PROTOCOL_VERSION + 1}"
     with pytest.raises(RemoteProtocolError, match=expected):
         decode_handshake(data)
 
@@ -325,3 +347,14 @@ def test_R_P15_check_compatible_accepts_peers_that_differ_only_in_layout() -> No
     local = sample_handshake(engine_id="engine-P", tp_size=1, tp_rank=0, num_blocks=(10, 10))
     remote = sample_handshake(engine_id="engine-D", physical_blocks_per_logical=4)
     assert check_compatible(local, remote) is None
+
+
+def test_C_04_S_05_a_keyed_side_refuses_a_stock_peer_and_checks_no_backend() -> None:
+    """A stock vLLM payload advertises no cluster key, so a side with one refuses it
+    (S-05); a side without one accepts it on the hash alone: a stock peer names no NIXL
+    backend or kvhandoff dialect version to compare (C-01)."""
+    stock = decode_handshake(handshake_bytes(outer={"kvhandoff": None}), slot=(2, 0, 1, 0))
+    check_compatible(sample_handshake(backend="LIBFABRIC"), stock, peer=PEER)
+    keyed = sample_handshake(extensions=("push_fail", "auth"), auth_key_id="0123456789abcdef")
+    with pytest.raises(RemoteProtocolError, match="auth_key_id differs"):
+        check_compatible(keyed, stock, peer=PEER)

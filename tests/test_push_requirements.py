@@ -93,7 +93,7 @@ def test_R_P01_proxy_legs_carry_roles_and_prefill_coordinates() -> None:
     params = d_leg["kv_transfer_params"]
     assert d_leg["max_tokens"] == 64 and params["do_remote_prefill"] is True
     assert (params["remote_engine_id"], params["remote_host"]) == ("prefill-7", "10.1.1.1")
-    assert (params["remote_port"], params["remote_tp_size"]) == (6000, 2)
+    assert (params["remote_port"], params["tp_size"]) == (6000, 2)  # vLLM's names (C-01)
     d = Halves("decode")
     d.sched.update_state_after_alloc("cmpl-1-0-aaaaaaaa", [3, 4], params, d.now)
     reg = d.sched.build_connector_meta(d.now).push_registrations["cmpl-1-0-aaaaaaaa"]
@@ -141,7 +141,11 @@ def test_R_P03_request_finished_stashes_blocks_for_the_lease_and_the_next_step()
         None,
     )
     assert not p.sched.has_pending_push_work()
-    assert p.sched.request_finished(rid, [4, 5], {"do_remote_decode": True}, p.now) == (True, None)
+    delay, params = p.sched.request_finished(rid, [4, 5], {"do_remote_decode": True}, p.now)
+    # C-01: like a stock vLLM P, the decode leg's params (P's coordinates and its own id).
+    assert delay and params is not None
+    assert (params["remote_request_id"], params["remote_block_ids"]) == (rid, [[4, 5]])
+    assert (params["tp_size"], params["do_remote_prefill"]) == (1, True)
     assert p.sched.has_pending_push_work()
     assert p.sched.bus.has_tag(P_REQUEST, rid, "drainable")
     meta = p.sched.build_connector_meta(p.now)

@@ -208,7 +208,7 @@ def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
 def pair(harness: Harness) -> Harness:
     """Both sides connected to each other, nothing left in their notif queues."""
     for here, there in ((harness.a, harness.b), (harness.b, harness.a)):
-        raw = here.transport.fetch_handshake(there.host, there.port, DEADLINE_S)
+        raw = here.transport.fetch_handshake(there.host, there.port, DEADLINE_S, [(0, 0)])
         here.transport.connect(decode_engine_handshake(raw), ROUTES)
     harness.pump()
     for side in (harness.a, harness.b):
@@ -253,7 +253,9 @@ def test_R_P15_handshake_payload_round_trips_and_connects(pair: Harness) -> None
     a, b = pair.a, pair.b
     payload = a.transport.handshake_payload()
     assert decode_handshake(encode_handshake(payload)) == payload
-    engine = decode_engine_handshake(b.transport.fetch_handshake(a.host, a.port, DEADLINE_S))
+    engine = decode_engine_handshake(
+        b.transport.fetch_handshake(a.host, a.port, DEADLINE_S, [(0, 0)])
+    )
     (served,) = engine.ranks
     assert engine.engine_id == payload.engine_id
     assert (served.engine_id, served.agent_name) == (payload.engine_id, payload.agent_name)
@@ -335,7 +337,7 @@ def test_B08_forget_then_reconnect_restores_the_peer(pair: Harness) -> None:
     with pytest.raises(LocalProtocolError, match="not connected"):
         a.transport.send_notif(engine_b, 0, b"HB:x")
     a.transport.forget(engine_b)  # forgetting twice is fine
-    raw = a.transport.fetch_handshake(b.host, b.port, DEADLINE_S)
+    raw = a.transport.fetch_handshake(b.host, b.port, DEADLINE_S, [(0, 0)])
     a.transport.connect(decode_engine_handshake(raw), ROUTES)
     a.transport.send_notif(engine_b, 0, b"HB:again")
     assert notifs_until(pair, b, 1)[0][1] == b"HB:again"

@@ -59,7 +59,6 @@ def test_R_P04_base_id_keeps_completion_index() -> None:
     "request_id",
     [
         "cmpl-abc-0",  # no suffix
-        "cmpl-abc-0-1A2B3C4D",  # upper-case hex is not the engine's suffix
         "cmpl-abc-0-1a2b3c4",  # seven digits
         "cmpl-abc-0-1a2b3c4d5",  # nine digits
         "cmpl-abc-0_1a2b3c4d",  # no dash
@@ -71,6 +70,11 @@ def test_R_P04_base_id_keeps_completion_index() -> None:
 )
 def test_R_P04_base_id_leaves_other_ids_unchanged(request_id: str) -> None:
     assert get_base_request_id(request_id) == request_id
+
+
+def test_C_01_base_id_strips_hex_of_either_case_like_vllm() -> None:
+    assert get_base_request_id("cmpl-abc-0-1A2B3C4D") == "cmpl-abc-0"
+    assert get_base_request_id("cmpl-abc-0-1a2B3c4D") == "cmpl-abc-0"
 
 
 @given(base=st.text(min_size=1), p_suffix=hex8, d_suffix=hex8)
@@ -105,8 +109,37 @@ def test_R_P02_push_reg_is_a_msgpack_dict_on_the_wire() -> None:
     decoded = msgspec.msgpack.decode(body)
     assert isinstance(decoded, dict)
     assert decoded["request_id"] == "cmpl-abc-0-1234abcd"
-    assert decoded["block_ids"] == [3, 7, 9]
-    assert set(decoded) == set(PushRegistration.__struct_fields__)
+    assert decoded["local_block_ids"] == [[3, 7, 9]]  # one list per KV cache group (C-01)
+    assert set(decoded) == VLLM_PUSH_REG_KEYS | {"decode_tp_rank"}
+
+
+VLLM_PUSH_REG_KEYS = {
+    "request_id",
+    "decode_engine_id",
+    "decode_host",
+    "decode_port",
+    "decode_tp_size",
+    "local_block_ids",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_tp_size",
+    "remote_pp_size",
+}
+"""What vLLM 0.33's D scheduler puts in a registration (its P reads these)."""
+
+
+def test_C_01_push_reg_of_a_stock_vllm_d_decodes_without_a_rank() -> None:
+    raw = raw_reg_dict()
+    del raw["decode_tp_rank"]
+    reg = decode_push_reg(push_reg_bytes(raw), peer=PEER)
+    assert reg.decode_tp_rank is None
+    assert reg.block_ids == (3, 7, 9)
+
+
+def test_C_01_push_reg_unknown_keys_are_skipped_like_vllm() -> None:
+    reg = decode_push_reg(push_reg_bytes(raw_reg_dict(unexpected={"x": [1]})), peer=PEER)
+    assert reg == sample_registration()
 
 
 def test_R_P02_push_reg_allows_no_blocks() -> None:
@@ -117,9 +150,13 @@ def test_R_P02_push_reg_allows_no_blocks() -> None:
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        (raw_reg_dict(block_ids=[1, -2]), r"block_ids"),
-        (raw_reg_dict(block_ids=[1, "2"]), r"block_ids"),
-        (raw_reg_dict(block_ids=[1.0]), r"block_ids"),
+        (raw_reg_dict(local_block_ids=[[1, -2]]), r"local_block_ids"),
+        (raw_reg_dict(local_block_ids=[[1, "2"]]), r"local_block_ids"),
+        (raw_reg_dict(local_block_ids=[[1.0]]), r"local_block_ids"),
+        (raw_reg_dict(local_block_ids=[1, 2]), r"local_block_ids"),
+        (raw_reg_dict(local_block_ids=[[1], [2]]), r"2 KV cache groups"),
+        (raw_reg_dict(local_block_ids=[]), r"0 KV cache groups"),
+        (b"\x91" * 100, r"nested deeper"),
         (raw_reg_dict(request_id=""), r"request_id"),
         (raw_reg_dict(decode_engine_id=""), r"decode_engine_id"),
         (raw_reg_dict(decode_port="5600"), r"decode_port"),
@@ -128,14 +165,14 @@ def test_R_P02_push_reg_allows_no_blocks() -> None:
         (raw_reg_dict(decode_tp_size=True), r"decode_tp_size"),
         (raw_reg_dict(remote_tp_size=0), r"remote_tp_size"),
         (raw_reg_dict(decode_tp_rank=2), r"decode_tp_rank 2 is not below decode_tp_size 2"),
-        (raw_reg_dict(unexpected=1), r"unknown field `unexpected`"),
         ({k: v for k, v in raw_reg_dict().items() if k != "remote_host"}, r"remote_host"),
         ([1, 2, 3], r"malformed PUSH_REG"),
     ],
 )
 def test_R_P02_decode_push_reg_rejects_bad_fields(raw: Any, expected: str) -> None:
+    data = PUSH_REG_PREFIX + raw if isinstance(raw, bytes) else push_reg_bytes(raw)
     with pytest.raises(RemoteProtocolError, match=expected) as info:
-        decode_push_reg(push_reg_bytes(raw), peer=PEER)
+        decode_push_reg(data, peer=PEER)
     assert info.value.peer == PEER
 
 
@@ -184,7 +221,7 @@ def test_R_P02_decode_push_reg_on_arbitrary_bytes_raises_only_remote_errors(tail
 
 @settings(deadline=None)
 @given(
-    field=st.sampled_from([*PushRegistration.__struct_fields__, "extra"]),
+    field=st.sampled_from([*VLLM_PUSH_REG_KEYS, "decode_tp_rank", "extra"]),
     value=msgpack_values,
     drop=st.booleans(),
 )
@@ -203,7 +240,9 @@ def test_R_P02_decode_push_reg_on_mutated_maps_raises_only_remote_errors(
     else:
         body = encode_push_reg(reg)[len(PUSH_REG_PREFIX) :]
         sent = msgspec.msgpack.decode(msgspec.msgpack.encode(raw))
-        defaults = {"remote_pp_size": 1}  # optional fields come back with their default
+        sent.pop("extra", None)  # unknown keys are skipped
+        # optional fields come back with their default
+        defaults = {"remote_pp_size": 1, "decode_tp_rank": None}
         assert msgspec.msgpack.decode(body) == {**defaults, **sent}
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+import msgspec
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -25,9 +26,9 @@ from kvhandoff.adapters.zmq.control import (
     Heartbeat,
 )
 from kvhandoff.adapters.zmq.side_channel import (
-    GET_META,
     HandshakeTimeout,
     SideChannelServer,
+    encode_request,
     fetch_handshake,
 )
 from kvhandoff.protocol.errors import KvHandoffError
@@ -55,7 +56,7 @@ def free_port() -> int:
 @pytest.fixture
 def server() -> Iterator[SideChannelServer]:
     calls = iter(range(1_000_000))
-    srv = SideChannelServer("127.0.0.1", 0, lambda: b"META-%d" % next(calls))
+    srv = SideChannelServer("127.0.0.1", 0, lambda pp, tp: b"META-%d" % next(calls))
     yield srv
     srv.close()
 
@@ -99,9 +100,11 @@ def test_R_P15_handshake_answers_req_clients(server: SideChannelServer) -> None:
     req.setsockopt(zmq.LINGER, 0)
     req.connect(server.endpoint)
     try:
-        req.send(GET_META)
+        req.send(encode_request(0, 0))
         assert req.poll(int(DEADLINE_S * 1000))
-        assert req.recv() == b"META-0"
+        payload, clock = req.recv_multipart()  # vLLM 0.33: payload, then the sender's clock
+        assert payload == b"META-0"
+        assert isinstance(msgspec.msgpack.decode(clock), float)
     finally:
         req.close()
 
@@ -118,14 +121,15 @@ def test_R_P15_server_ignores_garbage_and_oversized(server: SideChannelServer) -
     sock = dealer(server.endpoint)
     try:
         sock.send(b"GET_SOMETHING_ELSE")
-        sock.send_multipart([b"not-empty", GET_META])
-        sock.send(GET_META)
+        sock.send_multipart([b"not-empty", encode_request(0, 0)])
+        sock.send(b"GET_META")  # kvhandoff's old one-frame dialect
+        sock.send_multipart([b"", encode_request(0, 0)])
         # One connection keeps order: this reply proves the garbage before it was read.
         assert sock.poll(int(DEADLINE_S * 1000))
-        assert sock.recv_multipart() == [b"META-0"]
+        assert sock.recv_multipart()[:2] == [b"", b"META-0"]
     finally:
         sock.close()
-    assert server.requests_dropped == 2
+    assert server.requests_dropped == 3
 
     big = dealer(server.endpoint)
     monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -145,7 +149,7 @@ def test_R_P15_server_ignores_garbage_and_oversized(server: SideChannelServer) -
 def test_R_P15_provider_failure_does_not_stop_server() -> None:
     answers: Iterator[RuntimeError | bytes] = iter([RuntimeError("not ready"), b"META"])
 
-    def provider() -> bytes:
+    def provider(pp_rank: int, tp_rank: int) -> bytes:
         item = next(answers)
         if isinstance(item, RuntimeError):
             raise item
@@ -173,7 +177,7 @@ def test_R_P15_close_is_deterministic_and_frees_the_port() -> None:
     server = None
     for candidate in _unassigned_ports():
         try:
-            server = SideChannelServer("127.0.0.1", candidate, lambda: b"META")
+            server = SideChannelServer("127.0.0.1", candidate, lambda pp, tp: b"META")
         except zmq.ZMQError:
             continue  # in use by someone else: try the next
         break
@@ -182,7 +186,7 @@ def test_R_P15_close_is_deterministic_and_frees_the_port() -> None:
     server.close()
     assert not server.running  # joined, not merely signalled
     server.close()  # idempotent
-    with SideChannelServer("127.0.0.1", port, lambda: b"again") as again:
+    with SideChannelServer("127.0.0.1", port, lambda pp, tp: b"again") as again:
         assert again.port == port
         assert fetch_handshake("127.0.0.1", port, DEADLINE_S) == b"again"
 
@@ -265,7 +269,7 @@ def test_R_E09_malformed_frames_are_dropped() -> None:
         sock = dealer(srv.endpoint)
         try:
             sock.send_multipart([b"two", b"frames"])
-            sock.send(b"fine")
+            sock.send_multipart([b"", b"fine"])  # vLLM 0.33 framing (C-03)
             got: list[tuple[bytes, bytes]] = []
             deadline = time.monotonic() + DEADLINE_S
             while not got and time.monotonic() < deadline:

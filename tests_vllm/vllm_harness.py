@@ -17,6 +17,7 @@ def vllm_config(
     kv_connector_module_path: str | None = None,
     extra_config: dict[str, Any] | None = None,
     kv_load_failure_policy: str = "fail",
+    engine_id: str | None = None,
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -46,6 +47,7 @@ def vllm_config(
         kv_buffer_device="cpu",
         kv_connector_extra_config=extra_config or {},
         kv_load_failure_policy=kv_load_failure_policy,
+        **({"engine_id": engine_id} if engine_id is not None else {}),
     )
     return VllmConfig(
         scheduler_config=scheduler,
@@ -129,3 +131,203 @@ def one_token(output: Any, request_ids: list[str], kv_output: Any = None) -> Any
         sampled_token_ids=[[7] for _ in request_ids],
         kv_connector_output=kv_output,
     )
+
+
+# -- worker-role connectors over real NIXL, one process each ----------------------------------
+
+KV_HEADS = 2
+HEAD_SIZE = 16
+
+
+def kv_value(request_id: str, layer: int, ordinal: int, tp_rank: int) -> float:
+    """What P's "model" wrote into block `ordinal` of a request, per layer and TP rank."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{request_id}/{layer}/{ordinal}/{tp_rank}".encode(), digest_size=3)
+    return float(int.from_bytes(digest.digest(), "little"))
+
+
+def worker_process(
+    conn: Any,
+    model_dir: str,
+    kv_role: str,
+    engine_id: str,
+    extra: dict[str, Any],
+    tp: int,
+    rank: int,
+) -> None:
+    """A worker-role KVHandoffConnector in its own process: vLLM's worker lifecycle per
+    step, its KV tensors in DRAM, its rank built by `register_kv_caches` over real NIXL.
+    Answers the test over `conn`; only bytes and builtins cross."""
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    import msgspec
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvhandoff.integrations.vllm import KVHandoffConnector, KVHandoffConnectorMetadata
+    from kvhandoff.machines.push.meta import PushConnectorMeta
+
+    config = vllm_config(
+        Path(model_dir),
+        kv_connector="KVHandoffConnector",
+        kv_connector_module_path="kvhandoff.integrations.vllm",
+        kv_role=kv_role,
+        extra_config=extra,
+        engine_id=engine_id,
+    )
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.rank = rank
+    cache = kv_cache_config()
+    worker = KVHandoffConnector(config, KVConnectorRole.WORKER, cache)
+    heads = KV_HEADS // tp
+    kv = {name: torch.zeros(cache.num_blocks, 2, BLOCK_SIZE, heads, HEAD_SIZE) for name in LAYERS}
+    worker.register_kv_caches(kv)
+    handshake = worker.get_handshake_metadata()
+    conn.send(("ready", handshake.payload, handshake.tp_rank))
+    layers = list(kv.values())
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "step":
+            push = msgspec.msgpack.decode(args[0], type=PushConnectorMeta)
+            for request_id, blocks in push.push_finished_blocks.items():
+                for layer, tensor in enumerate(layers):
+                    for ordinal, block in enumerate(blocks):
+                        tensor[block].fill_(kv_value(request_id, layer, ordinal, rank))
+            worker.bind_connector_metadata(KVHandoffConnectorMetadata(push))
+            worker.start_load_kv(None)
+            results = worker.get_transfer_results(set(args[1]))
+            invalid = worker.get_block_ids_with_load_errors()
+            meta = worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+            outputs = [msgspec.msgpack.encode(o) for o in (meta.outputs if meta else ())]
+            conn.send(
+                (
+                    set(results.finished_sending or ()),
+                    set(results.finished_recving or ()),
+                    set(results.failed_recving or ()),
+                    invalid,
+                    outputs,
+                )
+            )
+        elif cmd == "verify":
+            request_id, blocks = args
+            ok = all(
+                bool((tensor[block] == kv_value(request_id, layer, ordinal, rank)).all())
+                for layer, tensor in enumerate(layers)
+                for ordinal, block in enumerate(blocks)
+            )
+            conn.send(ok)
+        elif cmd == "stop":
+            worker.shutdown()
+            conn.send("stopped")
+            return
+
+
+class WorkerProc:
+    """The test's end of one `worker_process`."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        kv_role: str,
+        engine_id: str,
+        extra: dict[str, Any],
+        tp: int = 1,
+        rank: int = 0,
+    ) -> None:
+        import multiprocessing
+
+        # fork: the child starts with vLLM and torch already imported (spawn re-imports
+        # them, tens of seconds on a busy host); it builds its own NIXL agent and sockets.
+        context = multiprocessing.get_context("fork")
+        self.conn, child = context.Pipe()
+        self.proc = context.Process(
+            target=worker_process,
+            args=(child, str(model_dir), kv_role, engine_id, extra, tp, rank),
+            daemon=True,
+        )
+        self.proc.start()
+        self.payload: bytes = b""
+        self.tp_rank = rank
+
+    def ready(self) -> Any:
+        from kvhandoff.integrations.vllm import KVHandoffHandshakeMetadata
+
+        tag, payload, tp_rank = self._recv()
+        assert tag == "ready"
+        return KVHandoffHandshakeMetadata(payload, tp_rank)
+
+    def _recv(self, timeout: float = 240.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("the worker process did not answer")
+        return self.conn.recv()
+
+    def step(self, meta_bytes: bytes, finished: set[str]) -> Any:
+        self.conn.send(("step", meta_bytes, sorted(finished)))
+        return self._recv()
+
+    def verify(self, request_id: str, blocks: list[int]) -> bool:
+        self.conn.send(("verify", request_id, blocks))
+        return bool(self._recv())
+
+    def stop(self) -> None:
+        """Ask the worker to shut its connector down; `join` collects it."""
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+
+    def join(self) -> None:
+        if self.proc.is_alive() and self.conn.poll(60.0):
+            self.conn.recv()
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+
+
+def engine_step(sched: Any, workers: list[WorkerProc], aggregator: Any) -> tuple[Any, Any]:
+    """One engine step of a real vLLM Scheduler with its workers in other processes:
+    schedule, every worker's connector lifecycle (metadata as msgpack bytes), vLLM's own
+    aggregation of their outputs (`aggregator`: one `KVOutputAggregator` per engine, it
+    counts ranks across steps), then the scheduler's update. Returns (scheduler output,
+    the aggregated KVConnectorOutput)."""
+    import msgspec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvhandoff.integrations.vllm import KVHandoffWorkerMetadata
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    out = sched.schedule()
+    wire = msgspec.msgpack.encode(out.kv_connector_metadata.push)
+    request_ids = list(out.num_scheduled_tokens)
+    sampled = [
+        [7] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
+        for r in request_ids
+    ]
+    runner_outputs = []
+    for worker in workers:
+        sending, recving, failed, invalid, outputs = worker.step(wire, out.finished_req_ids)
+        meta = KVHandoffWorkerMetadata(
+            [msgspec.msgpack.decode(o, type=PushWorkerOutput) for o in outputs]
+        )
+        kv_output = KVConnectorOutput(
+            finished_sending=sending or None,
+            finished_recving=recving or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=meta,
+        )
+        runner_outputs.append(
+            ModelRunnerOutput(
+                req_ids=request_ids,
+                req_id_to_index={r: i for i, r in enumerate(request_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_output,
+            )
+        )
+    merged = aggregator.aggregate(runner_outputs)
+    kv_output = merged.kv_connector_output
+    sched.update_from_output(out, merged)
+    return out, kv_output

@@ -51,12 +51,9 @@ class BatchCopies(ItemCopies):
     def _upload(self, lane: Lane, ids: IdBuffer, start: int, stop: int) -> None:
         """Copy ids `[start, stop)` from the pinned buffer into the lane's device buffer."""
         lane.device_ids(ids.capacity)
-        if self._runtime is not None:
-            self._runtime.memcpy(
-                lane.dev_ptr + 8 * start, ids.ptr + 8 * start, 8 * (stop - start), lane.handle
-            )
-        else:
-            lane.dev_ids[start:stop].copy_(ids.host[start:stop], non_blocking=True)
+        self._runtime.memcpy(
+            lane.dev_ptr + 8 * start, ids.ptr + 8 * start, 8 * (stop - start), lane.handle
+        )
 
     def _copy_batch(
         self,

@@ -18,21 +18,26 @@ between GPU encoder outputs and the host-registered `/dev/shm` region.
   least `group_rows` rows): a group's block ids are packed into the lane's pinned buffer,
   and the host work of a group overlaps the device work of the groups before it. Per
   item (one encoding, or the slice of it in a group) the engine picks:
-  - `row_kernel`: a row-copy kernel of this module (compiled once per process with NVRTC,
-    launched through the driver API) that copies whole rows with 16-byte words between
-    the encoder rows and the region's device mapping; one launch per run of such items in
-    a group (encodings in separate tensors need no staging: it reads the block ids and
-    each row's address from the pinned buffer), so 16 encodings take 5 launches, not 16;
+  - `row_kernel`: a row-copy kernel (module `row_kernel`: compiled once per process by
+    `cuda.core`, launched through `cuda.bindings`) that copies whole rows with 16-byte
+    words between the encoder rows and the region's device mapping; one launch per run of
+    such items in a group (encodings in separate tensors need no staging: it reads the
+    block ids and each row's address from the pinned buffer), so 16 encodings take 5
+    launches, not 16;
   - `kernel`: one torch indexing kernel per item over the region's device mapping
     (`index_copy_` for a save, `index_select` for a load), reading the ids the same way;
   - `runs`: one DMA copy (`cudaMemcpyAsync`) per run of consecutive blocks, which is a
     single copy when the item's blocks are contiguous;
   - `auto` (the default): `runs` when the item's blocks form long runs (on average at
     least `dma_min_run_blocks` blocks; DMA leaves the SMs to the model), else
-    `row_kernel`, else (no NVRTC or driver API) `kernel`.
+    `row_kernel`, else (no NVRTC) `kernel`.
   Two more methods exist for measurement: `batch_memcpy` (one `cudaMemcpyBatchAsync`
   call per item, one entry per run; CUDA >= 12.8) and `per_block` (one `copy_` per block:
   the baseline the others beat).
+
+The runtime calls (memcpy, events, host registration) go through NVIDIA's
+`cuda.bindings` (`runtime`); the engine needs the `gpu` extra (`pip install
+'kvhandoff[gpu]'`) and says so when it is missing.
 
 Errors in a batch (a missing or misshaped tensor, a block outside the region, a CUDA
 error) are reported as `(batch_id, False)` by the next `poll()`.
@@ -69,7 +74,7 @@ __all__ = ["METHODS", "CopyMethod", "CudaCopyEngine", "runs_of"]
 
 log = logging.getLogger("kvhandoff.ec.copy_cuda")
 
-_cuda: Any = torch.cuda  # its Stream, Event and cudart() carry no type annotations
+_cuda: Any = torch.cuda  # its Stream and Event carry no type annotations
 
 
 # torch's own current-stream calls without building Stream objects (several µs each);
@@ -107,6 +112,9 @@ class CudaCopyEngine(BatchCopies):
             raise LocalProtocolError(
                 f"a region of {region.numel()} bytes holds no block of {block_size_bytes} bytes"
             )
+        runtime = CudaRuntime.load()
+        if isinstance(runtime, str):
+            raise LocalProtocolError(runtime)
         if device is None or isinstance(device, int):
             device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self.device = torch.device(device)
@@ -124,7 +132,7 @@ class CudaCopyEngine(BatchCopies):
         self._nbytes = self.num_blocks * block_size_bytes
         self._host_ptr = region.data_ptr()
         self._host_rows = region[: self._nbytes].view(self.num_blocks, block_size_bytes)
-        self._runtime = CudaRuntime.find()
+        self._runtime = runtime
         self._registered = False
         self._pending: list[Batch] = []
         self._ids: set[int] = set()
@@ -138,12 +146,9 @@ class CudaCopyEngine(BatchCopies):
         self._kernel_views: dict[torch.dtype, torch.Tensor] = {}
         self.kernel_unavailable = ""
         self.row_kernel_unavailable = ""
-        self.batch_unavailable = (
-            "libcudart not found" if self._runtime is None else self._runtime.batch_reason
-        )
+        self.batch_unavailable = runtime.batch_reason
         self._fast = (
-            self._runtime is not None
-            and None not in (_get_stream, _set_stream, _raw_stream)
+            None not in (_get_stream, _set_stream, _raw_stream)
             and os.environ.get("KVHANDOFF_EC_PUBLIC_STREAM_API", "") != "1"
         )
         self._row_launch: RowLaunch | None = None
@@ -196,7 +201,6 @@ class CudaCopyEngine(BatchCopies):
         try:
             if self._fast and lane.wait_event and torch.cuda.current_device() == self._index:
                 # The common case, with torch's and the runtime's raw calls (no objects).
-                assert self._runtime is not None
                 index = self._index
                 caller = _get_stream(index)
                 self._runtime.wait_for(lane.handle, _raw_stream(index), lane.wait_event)
@@ -255,7 +259,7 @@ class CudaCopyEngine(BatchCopies):
         for lane in self._lanes:
             with contextlib.suppress(RuntimeError):
                 lane.stream.synchronize()
-            if lane.wait_event and self._runtime is not None:
+            if lane.wait_event:
                 self._runtime.destroy_event(lane.wait_event)
                 lane.wait_event = 0
         self._pending.clear()
@@ -266,5 +270,4 @@ class CudaCopyEngine(BatchCopies):
         self._row_launch = None
         if self._registered:
             self._registered = False
-            cudart = _cuda.cudart()
-            cudart.cudaHostUnregister(self._host_ptr)
+            self._runtime.host_unregister(self._host_ptr)

@@ -2,15 +2,15 @@
 allocation as an IPC handle, open a peer's handle once, close it (issue 18).
 
 Nothing here imports `cuda.bindings` at module import time: `available()` says whether
-it can be loaded, and each call loads it through `importlib`, so the CPU-only install
-and CI never touch CUDA. Every function returns plain ints and bytes; a CUDA error is an
-`IpcError` (a `KvHandoffError`), never a crash, so a caller falls back to NIXL.
+it can be loaded, and each call loads it through the shared loader (`bindings`), so the
+CPU-only install and CI never touch CUDA. Every function returns plain ints and bytes; a
+CUDA error is an `IpcError` (a `KvHandoffError`), never a crash, so a caller falls back
+to NIXL.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import socket
 from collections.abc import Callable
 from functools import cache
@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import cast
 
+from kvhandoff.adapters.cuda import bindings
 from kvhandoff.protocol.errors import KvHandoffError
 
 IPC_HANDLE_BYTES = 64
@@ -27,58 +28,24 @@ class IpcError(KvHandoffError):
     """A CUDA IPC call failed (or `cuda.bindings` is missing): use another path."""
 
 
-@cache
-def _modules() -> tuple[ModuleType, ModuleType] | None:
-    try:
-        runtime = importlib.import_module("cuda.bindings.runtime")
-        driver = importlib.import_module("cuda.bindings.driver")
-    except ImportError:
-        return None
-    return runtime, driver
-
-
 def available() -> bool:
     """Whether `cuda.bindings` imports (not whether a GPU is present)."""
-    return _modules() is not None
+    return bindings.available()
 
 
 def _rt() -> ModuleType:
-    mods = _modules()
-    if mods is None:
-        raise IpcError("CUDA IPC needs cuda-python: pip install 'kvhandoff[gpu]'")
-    return mods[0]
+    return bindings.runtime(IpcError)
 
 
 def _drv() -> ModuleType:
-    mods = _modules()
-    if mods is None:
-        raise IpcError("CUDA IPC needs cuda-python: pip install 'kvhandoff[gpu]'")
-    return mods[1]
-
-
-def _check(name: str, result: object) -> tuple[object, ...]:
-    """cuda.bindings returns (error, *values); raise on an error, return the values."""
-    values = result if isinstance(result, tuple) else (result,)
-    err = values[0]
-    if int(cast(int, getattr(err, "value", err))) != 0:
-        raise IpcError(f"{name} failed: {err!r}")
-    return values[1:]
+    return bindings.driver(IpcError)
 
 
 def _call(module: ModuleType, name: str, *args: object) -> tuple[object, ...]:
-    fn = cast(Callable[..., object], getattr(module, name))
-    try:
-        result = fn(*args)
-    except (TypeError, ValueError, AttributeError) as exc:  # a binding that changed shape
-        raise IpcError(f"{name}: {exc}") from exc
-    return _check(name, result)
+    return bindings.call(module, name, *args, error=IpcError)
 
 
-def _as_int(value: object) -> int:
-    """An int from a plain int or a cuda.bindings pointer/handle object."""
-    if isinstance(value, int):
-        return value
-    return int(cast(int, value))  # CUdeviceptr and friends implement __int__
+_as_int = bindings.as_int
 
 
 def set_device(device: int) -> None:

@@ -158,8 +158,10 @@ class IpcPushTransport:
     def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
         self.inner.advertise(extensions, auth_key_id)
 
-    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
-        return self.inner.fetch_handshake(host, port, timeout_s)
+    def fetch_handshake(
+        self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
+    ) -> list[bytes]:
+        return self.inner.fetch_handshake(host, port, timeout_s, ranks)
 
     def engine(self, engine_id: str) -> EngineInfo | None:
         return self.inner.engine(engine_id)

@@ -114,7 +114,7 @@ class ItemCopies(RegionMapping):
             lengths = [b - a for a, b in zip(starts, [*cut, int(blocks.size)], strict=True)]
         firsts = blocks[starts].tolist()
         runtime = self._runtime
-        if runtime is not None and rows.is_contiguous():
+        if rows.is_contiguous():
             host, dev = self._host_ptr, rows.data_ptr()
             for start, length, first in zip(starts, lengths, firsts, strict=True):
                 h, d = host + first * bs, dev + start * bs
@@ -148,7 +148,6 @@ class ItemCopies(RegionMapping):
         keep: list[object],
         stream: int,
     ) -> None:
-        assert self._runtime is not None
         starts, lengths = runs_of(blocks)
         bs = self.block_size_bytes
         host = (self._host_ptr + blocks[starts] * bs).astype(np.uint64)

@@ -67,8 +67,7 @@ class Lane:
         self.stream: Any = _cuda.Stream(engine.device)
         self.handle = int(self.stream.cuda_stream)
         self.waits: Any = _cuda.Event()  # the caller's stream, which this one waits for
-        runtime = engine._runtime
-        self.wait_event = runtime.new_event() if runtime is not None else 0  # the same, raw
+        self.wait_event = engine._runtime.new_event()  # the same, raw (0 if none)
         self.last: Batch | None = None
         self.ids = engine._new_ids(capacity)
         self.dev_ids = torch.empty(0, dtype=torch.int64, device=engine.device)

@@ -16,17 +16,12 @@ import torch
 
 from kvhandoff.adapters.cuda.lanes import IdBuffer, Lane
 from kvhandoff.adapters.cuda.row_kernel import RowKernels, RowLaunch
-from kvhandoff.adapters.cuda.runtime import CudaRuntime, DeviceArray
+from kvhandoff.adapters.cuda.runtime import CudaError, CudaRuntime, DeviceArray
 from kvhandoff.protocol.errors import LocalProtocolError
 
 __all__ = ["RegionMapping"]
 
 log = logging.getLogger("kvhandoff.ec.copy_cuda")
-
-_cuda: Any = torch.cuda  # its cudart() carries no type annotations
-
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_MAPPED = 2
 
 
 class RegionMapping:
@@ -40,7 +35,7 @@ class RegionMapping:
     _region: torch.Tensor
     _nbytes: int
     _host_ptr: int
-    _runtime: CudaRuntime | None
+    _runtime: CudaRuntime
     _registered: bool
     _offsets: np.ndarray[Any, Any]
     _kernel_views: dict[torch.dtype, torch.Tensor]
@@ -52,20 +47,13 @@ class RegionMapping:
     def _register(self) -> None:
         if self._region.is_pinned():  # already registered (e.g. by another user of it)
             return
-        cudart = _cuda.cudart()
-        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-        err = cudart.cudaHostRegister(self._host_ptr, self._nbytes, flags)
-        if err != cudart.cudaError.success:
-            if self._runtime is not None:
-                self._runtime.clear_error()
-            raise LocalProtocolError(
-                f"cudaHostRegister of the region ({self._nbytes} bytes) failed: {err}"
-            )
+        try:
+            self._runtime.host_register(self._host_ptr, self._nbytes)
+        except CudaError as exc:
+            raise LocalProtocolError(f"the region could not be registered: {exc}") from exc
         self._registered = True
 
     def _device_pointer(self, host_ptr: int) -> int:
-        if self._runtime is None:
-            return 0
         return self._runtime.device_pointer(host_ptr) or 0
 
     def _device_view(self, ptr: int, nbytes: int) -> torch.Tensor | None:

@@ -1,23 +1,31 @@
-"""The encoder-cache row-copy kernel: compiled at run time with NVRTC, launched through the
-CUDA driver API (GPU only).
+"""The encoder-cache row-copy kernel: compiled at run time by `cuda.core` (its `Program`,
+NVRTC as cuda-python finds it), launched with `cuLaunchKernel` through `cuda.bindings`
+(the `gpu` extra; GPU only).
 
 `RowKernels.load(device)` compiles the kernels once per process for the device's
-architecture (or returns why it cannot: no NVRTC, no driver API); `RowLaunch` holds one
-engine's reusable ctypes arguments and launches one kernel over `count` rows, each row
-copied whole in 16-, 8-, 4-, 2- or 1-byte words between an encoder row and the region's
-device mapping. Used by `ec_copy_cuda.CudaCopyEngine` (method `row_kernel`).
+architecture and binds them to the device's primary context (or returns why it cannot:
+no cuda-python, no NVRTC, a failed load); `RowLaunch` holds one engine's kernel argument
+block, built once and rewritten in place before each launch, and launches one kernel
+over `count` rows, each row copied whole in 16-, 8-, 4-, 2- or 1-byte words between an
+encoder row and the region's device mapping. Used by `ec_copy.CudaCopyEngine` (method
+`row_kernel`).
+
+The launch goes through `cuLaunchKernel` with that prepared argument block rather than
+`cuda.core.launch`: on the H200 both cost the same host time per launch (5.5-6.9 µs,
+`bench/probes/ec_host_calls.py`), and the prepared block takes torch's raw stream handles
+and a grid that changes from launch to launch without wrapping each lane's stream in a
+cuda.core `Stream` or building a `LaunchConfig` per launch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import glob
-import os
-import sys
 from typing import Any, ClassVar, Final
 
+import numpy as np
 import torch
+
+from kvhandoff.adapters.cuda import bindings
+from kvhandoff.adapters.cuda.bindings import CudaError
 
 __all__ = ["RowKernels", "RowLaunch"]
 
@@ -80,96 +88,47 @@ KVH_KERNELS(unsigned short, 2)
 KVH_KERNELS(unsigned char, 1)
 """
 _ROW_WORDS: Final[tuple[int, ...]] = (16, 8, 4, 2, 1)
+_NAMES: Final[tuple[str, ...]] = tuple(f"kvh_rows{word}" for word in _ROW_WORDS)
 
 
-def _find_nvrtc() -> ctypes.CDLL | None:
-    """libnvrtc: by soname, then where CUDA wheels (`nvidia/*/lib`), torch or a toolkit put
-    it, the CUDA major version torch was built with first."""
-    major = (torch.version.cuda or "").split(".")[0]
-    names = [f"libnvrtc.so.{major}"] if major else []
-    names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    roots = [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
-    found: list[str] = []
-    for root in roots:
-        found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")))
-    found += sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libnvrtc*")))
-    found += sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))
-    found = [f for f in found if "builtins" not in f and ".alt." not in f]
-    found.sort(key=lambda f: f"libnvrtc.so.{major}" not in f)
-    for name in [*names, *found]:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        # NVRTC opens its builtins library by soname when it compiles: load the one beside
-        # it first (wheels set no search path for it).
-        for builtins in sorted(
-            glob.glob(os.path.join(os.path.dirname(name), "libnvrtc-builtins.so.*"))
-        ):
-            if ".alt." not in builtins:
-                with contextlib.suppress(OSError):
-                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-        return lib
-    return None
+def _compile_row_kernels(arch: tuple[int, int]) -> object:
+    """The row-copy kernels as `cuda.core` object code (a cubin) for `sm_<arch>`, compiled
+    by NVRTC (no GPU needed); raises where cuda.core or NVRTC is missing or fails."""
+    core = bindings.core()
+    if core is None:
+        raise CudaError(f"the row kernel {bindings.MISSING} (cuda.core)")
+    options = core.ProgramOptions(arch=f"sm_{arch[0]}{arch[1]}", std="c++17")
+    program = core.Program(_ROW_KERNEL_SOURCE, code_type="c++", options=options)
+    return program.compile("cubin")
 
 
-def _compile_row_kernels(arch: tuple[int, int]) -> tuple[bytes, str]:
-    """The row-copy kernels as a cubin for `sm_<arch>` (NVRTC; no GPU needed), or
-    `(b"", reason)`."""
-    nvrtc = _find_nvrtc()
-    if nvrtc is None:
-        return b"", "libnvrtc not found"
-    prog = ctypes.c_void_p()
-    err = nvrtc.nvrtcCreateProgram(
-        ctypes.byref(prog), _ROW_KERNEL_SOURCE.encode(), b"kvh_rows.cu", 0, None, None
-    )
-    if err != 0:
-        return b"", f"nvrtcCreateProgram failed ({err})"
-    try:
-        opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-std=c++17"]
-        options = (ctypes.c_char_p * len(opts))(*opts)
-        err = nvrtc.nvrtcCompileProgram(prog, len(opts), options)
-        if err != 0:
-            size = ctypes.c_size_t(0)
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            text = ctypes.create_string_buffer(size.value + 1)
-            nvrtc.nvrtcGetProgramLog(prog, text)
-            return b"", f"nvrtc compile failed ({err}): {text.value.decode(errors='replace')[:500]}"
-        size = ctypes.c_size_t(0)
-        if nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)) != 0 or size.value == 0:
-            return b"", "nvrtc produced no cubin"
-        image = ctypes.create_string_buffer(size.value)
-        if nvrtc.nvrtcGetCUBIN(prog, image) != 0:
-            return b"", "nvrtcGetCUBIN failed"
-        return image.raw, ""
-    finally:
-        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+def _function(drv: Any, code: Any, name: str) -> object:
+    """`name` of the object code as a CUfunction of the current (primary) context."""
+    kernel = code.get_kernel(name)
+    handle = getattr(kernel, "handle", None)
+    if handle is None:
+        handle = kernel._handle  # cuda.core before 0.2
+    address = bindings.as_int(handle)
+    if "CUfunction" in type(handle).__name__:  # loaded as a module (old drivers)
+        return drv.CUfunction(address)
+    (function,) = bindings.call(drv, "cuKernelGetFunction", drv.CUkernel(address))
+    return function
 
 
 class RowKernels:
     """The row-copy kernels loaded into one device's primary context (one per process)."""
 
     _loaded: ClassVar[dict[int, RowKernels | str]] = {}
-    _images: ClassVar[dict[tuple[int, int], tuple[bytes, str]]] = {}
+    _images: ClassVar[dict[tuple[int, int], object]] = {}  # cuda.core ObjectCode per arch
 
-    def __init__(self, lib: ctypes.CDLL, context: int, functions: dict[str, int]) -> None:
-        self.lib = lib
+    def __init__(self, drv: Any, context: Any, functions: dict[str, object]) -> None:
         self.context = context
+        self.context_id = bindings.as_int(context)
         self.functions = functions
-        self._launch: Any = lib.cuLaunchKernel
-        self._launch.restype = ctypes.c_int
-        u = ctypes.c_uint
-        self._launch.argtypes = (
-            ctypes.c_void_p,
-            *(u,) * 7,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        )
-        self._current: Any = lib.cuCtxGetCurrent
-        self._current.argtypes = (ctypes.POINTER(ctypes.c_void_p),)
-        self._set_current: Any = lib.cuCtxSetCurrent
-        self._set_current.argtypes = (ctypes.c_void_p,)
+        self._success: object = drv.CUresult.CUDA_SUCCESS
+        self._launch: Any = drv.cuLaunchKernel
+        self._current: Any = drv.cuCtxGetCurrent
+        self._set_current: Any = drv.cuCtxSetCurrent
 
     @classmethod
     def load(cls, device_index: int) -> RowKernels | str:
@@ -180,69 +139,57 @@ class RowKernels:
         result: RowKernels | str
         try:
             result = cls._load(device_index)
-        except (OSError, AttributeError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # cuda.core / NVRTC errors have no common base
             result = f"row kernels unavailable: {exc}"
         cls._loaded[device_index] = result
         return result
 
     @classmethod
     def _load(cls, device_index: int) -> RowKernels | str:
+        drv = bindings.driver()
         arch = torch.cuda.get_device_capability(device_index)
-        if arch not in cls._images:
-            cls._images[arch] = _compile_row_kernels(arch)
-        image, reason = cls._images[arch]
-        if not image:
-            return reason
-        lib = ctypes.CDLL("libcuda.so.1")
+        code = cls._images.get(arch)
+        if code is None:
+            code = cls._images[arch] = _compile_row_kernels(arch)
         with torch.cuda.device(device_index):
             torch.cuda.current_stream().synchronize()  # the primary context is current
-            context = ctypes.c_void_p(0)
-            if lib.cuCtxGetCurrent(ctypes.byref(context)) != 0 or not context.value:
+            (context,) = bindings.call(drv, "cuCtxGetCurrent")
+            if not bindings.as_int(context):
                 return "no current CUDA context for the driver API"
-            module = ctypes.c_void_p(0)
-            err = lib.cuModuleLoadData(ctypes.byref(module), image)
-            if err != 0:
-                return f"cuModuleLoadData failed ({err})"
-            functions: dict[str, int] = {}
-            for name in (f"kvh_rows{word}" for word in _ROW_WORDS):
-                fn = ctypes.c_void_p(0)
-                err = lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode())
-                if err != 0 or not fn.value:
-                    return f"cuModuleGetFunction({name}) failed ({err})"
-                functions[name] = fn.value
-        return cls(lib, context.value, functions)
+            functions = {name: _function(drv, code, name) for name in _NAMES}
+        return cls(drv, context, functions)
 
     def launch(self, name: str, blocks: int, threads: int, stream: int, params: int) -> None:
-        current = ctypes.c_void_p(0)
-        self._current(ctypes.byref(current))
-        if current.value != self.context:  # a thread that has not used this device yet
-            self._set_current(self.context)
+        """One `cuLaunchKernel` of `name` on `stream` with the argument block at `params`."""
+        err, current = self._current()
+        if err != self._success or int(current) != self.context_id:
+            self._set_current(self.context)  # a thread that has not used this device yet
         fn = self.functions[name]
-        err = int(self._launch(fn, blocks, 1, 1, threads, 1, 1, 0, stream, params, None))
-        if err != 0:
-            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+        err = self._launch(fn, blocks, 1, 1, threads, 1, 1, 0, stream, params, 0)[0]
+        if err != self._success:
+            raise CudaError(f"cuLaunchKernel failed with CUDA error {err!r}")
 
 
 class RowLaunch:
-    """One engine's kernel arguments (ctypes values reused from launch to launch)."""
+    """One engine's kernel arguments: five 8-byte slots (ids, rows, region, words, save)
+    and the array of their addresses that `cuLaunchKernel` reads, both built once. The
+    32-bit arguments read the low half of their slot (x86-64 and ARM64 are little-endian).
+    """
 
     def __init__(self, kernels: RowKernels, region_ptr: int, block_size: int) -> None:
         self.kernels = kernels
         self.block_size = block_size
-        self.ids = ctypes.c_uint64(0)
-        self.rows = ctypes.c_uint64(0)
-        self.region = ctypes.c_uint64(region_ptr)
-        self.words = ctypes.c_uint32(0)
-        self.save = ctypes.c_int32(0)
-        values = (self.ids, self.rows, self.region, self.words, self.save)
-        self._params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        self.params = ctypes.addressof(self._params)
+        self._values = np.zeros(5, dtype=np.uint64)
+        self._values[2] = region_ptr
+        base = int(self._values.ctypes.data)
+        self._pointers = np.arange(5, dtype=np.uint64) * 8 + np.uint64(base)
+        self.params = int(self._pointers.ctypes.data)
 
     def __call__(self, save: bool, ids: int, rows: int, count: int, word: int, stream: int) -> None:
         """Copy `count` rows: region row `ids[r]` <-> the row at address `rows[r]` (both
         device addresses of int64 arrays), in words of `word` bytes; one block per row."""
         words = self.block_size // word
-        self.ids.value, self.rows.value = ids, rows
-        self.words.value, self.save.value = words, int(save)
+        values = self._values
+        values[0], values[1], values[3], values[4] = ids, rows, words, int(save)
         threads = min(256, max(32, ((words + 3) // 4 + 31) // 32 * 32))
         self.kernels.launch(f"kvh_rows{word}", count, threads, stream, self.params)

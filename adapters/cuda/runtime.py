@@ -1,140 +1,115 @@
-"""ctypes access to the CUDA runtime calls torch does not expose (GPU only).
+"""The CUDA runtime calls torch does not expose, through NVIDIA's `cuda.bindings` (the
+`gpu` extra; GPU only).
 
-`CudaRuntime` binds the `libcudart` that torch already loaded (never a second copy):
-async memcpy and `cudaMemcpyBatchAsync`, events without timing, stream waits, and the
-device pointer of host-registered memory. `DeviceArray` wraps a device address in a
-`__cuda_array_interface__` so torch can view the region's device mapping. Used by the
-encoder-cache CUDA copy engine (`ec_copy_cuda`).
+`CudaRuntime` holds the bound calls of the encoder-cache copy engine (`ec_copy`): async
+memcpy and `cudaMemcpyBatchAsync`, events without timing, stream waits, host
+registration of the region and the device pointer of host-registered memory. Streams
+and events are plain ints (torch's raw handles). `DeviceArray` wraps a device address
+in a `__cuda_array_interface__` so torch can view the region's device mapping.
+`cuda.bindings` is loaded through the loader shared with the IPC path (`bindings`),
+only when an engine starts.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, cast
 
 import numpy as np
 
-__all__ = ["CudaRuntime", "DeviceArray"]
+from kvhandoff.adapters.cuda import bindings
+from kvhandoff.adapters.cuda.bindings import CudaError
 
+__all__ = ["CudaError", "CudaRuntime", "DeviceArray"]
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = (
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _MemLocation),
-        ("dstLocHint", _MemLocation),
-        ("flags", ctypes.c_uint),
-    )
-
-
-_SRC_ACCESS_ORDER_STREAM = 1
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (UVA) addresses
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_MAPPED = 2
 _EVENT_DISABLE_TIMING = 2
-_MEM_LOCATION_DEVICE = 1
-_MEM_LOCATION_HOST = 2
 
 
 class CudaRuntime:
-    """ctypes access to the `libcudart` that torch already loaded (never a second copy)."""
+    """The copy engine's runtime calls, bound once from `cuda.bindings.runtime`."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
-        version = ctypes.c_int(0)
-        lib.cudaRuntimeGetVersion(ctypes.byref(version))
-        self.version = version.value
-        lib.cudaGetLastError.restype = ctypes.c_int
-        self._memcpy: Any = lib.cudaMemcpyAsync
-        self._memcpy.restype = ctypes.c_int
-        self._memcpy.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        )
-        for name in ("cudaEventCreateWithFlags", "cudaEventRecord", "cudaStreamWaitEvent"):
-            getattr(lib, name).restype = ctypes.c_int
-        lib.cudaEventCreateWithFlags.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
-        lib.cudaEventRecord.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-        lib.cudaStreamWaitEvent.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
-        lib.cudaEventDestroy.argtypes = (ctypes.c_void_p,)
-        self._record: Any = lib.cudaEventRecord
-        self._wait: Any = lib.cudaStreamWaitEvent
-        lib.cudaHostGetDevicePointer.restype = ctypes.c_int
-        lib.cudaHostGetDevicePointer.argtypes = (
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_void_p,
-            ctypes.c_uint,
-        )
+    def __init__(self, rt: ModuleType) -> None:
+        self.rt = rt
+        (version,) = bindings.call(rt, "cudaRuntimeGetVersion")
+        self.version = int(cast(int, version))
+        self._success: object = rt.cudaError_t.cudaSuccess
+        self._default: object = rt.cudaMemcpyKind.cudaMemcpyDefault  # direction from UVA
+        self._memcpy: Any = rt.cudaMemcpyAsync
+        self._record: Any = rt.cudaEventRecord
+        self._wait: Any = rt.cudaStreamWaitEvent
         self._batch: Any = None
         self.batch_reason = "cudaMemcpyBatchAsync needs CUDA >= 12.8"
-        if self.version >= 12080 and hasattr(lib, "cudaMemcpyBatchAsync"):
-            fn = lib.cudaMemcpyBatchAsync
-            fn.restype = ctypes.c_int
-            ptr = ctypes.c_void_p
-            head = (ptr, ptr, ptr, ctypes.c_size_t, ptr, ptr, ctypes.c_size_t)
-            # CUDA 13 dropped the `failIdx` out-parameter that 12.8/12.9 have before the stream.
-            fn.argtypes = (*head, ptr) if self.version >= 13000 else (*head, ptr, ptr)
-            self._batch = fn
+        if self.version >= 12080 and hasattr(rt, "cudaMemcpyBatchAsync"):
+            self._batch = rt.cudaMemcpyBatchAsync
             self.batch_reason = ""
 
     @classmethod
-    def find(cls) -> CudaRuntime | None:
-        """The loaded libcudart, by soname or from /proc/self/maps; None if not found."""
-        names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    def load(cls) -> CudaRuntime | str:
+        """The runtime calls, or why there are none (cuda-python missing or broken)."""
+        mods = bindings.modules()
+        if mods is None:
+            return f"the CUDA copy engine {bindings.MISSING}"
         try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-                for line in maps:
-                    path = line.split()[-1] if line.strip() else ""
-                    if "/libcudart.so" in path and path not in names:
-                        names.insert(0, path)
-        except OSError:
-            pass
-        for name in names:
-            try:
-                return cls(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL))
-            except (OSError, AttributeError):
-                continue
-        return None
+            return cls(mods[0])
+        except (CudaError, AttributeError) as exc:
+            return f"cuda.bindings.runtime unusable: {exc}"
 
-    def clear_error(self) -> int:
-        return int(self.lib.cudaGetLastError())
+    def _fail(self, what: str, err: object) -> CudaError:
+        self.clear_error()
+        return CudaError(f"{what} failed with CUDA error {err!r}")
+
+    def clear_error(self) -> None:
+        """Clear this thread's last runtime error (a failed call must not stick)."""
+        cast(Callable[[], object], self.rt.cudaGetLastError)()
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """One `cudaMemcpyAsync` (direction from the addresses) on `stream`."""
-        err = int(self._memcpy(dst, src, nbytes, _MEMCPY_DEFAULT, stream))
-        if err != 0:
-            self.clear_error()
-            raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}")
+        err = self._memcpy(dst, src, nbytes, self._default, stream)[0]
+        if err != self._success:
+            raise self._fail("cudaMemcpyAsync", err)
 
     def new_event(self) -> int:
         """A cudaEvent_t without timing (for stream order only), or 0."""
-        event = ctypes.c_void_p(0)
-        if self.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING) != 0:
+        flags = getattr(self.rt, "cudaEventDisableTiming", _EVENT_DISABLE_TIMING)
+        err, event = self.rt.cudaEventCreateWithFlags(flags)
+        if err != self._success:
             self.clear_error()
             return 0
-        return event.value or 0
+        return bindings.as_int(event)
 
     def destroy_event(self, event: int) -> None:
-        self.lib.cudaEventDestroy(event)
+        self.rt.cudaEventDestroy(event)
 
     def wait_for(self, stream: int, other: int, event: int) -> None:
         """Make `stream` wait for the work enqueued on `other` so far (through `event`)."""
-        err = int(self._record(event, other)) or int(self._wait(stream, event, 0))
-        if err != 0:
+        err = self._record(event, other)[0]
+        if err == self._success:
+            err = self._wait(stream, event, 0)[0]
+        if err != self._success:
+            raise self._fail("cross-stream wait", err)
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Page-lock host memory (portable, mapped into the device's address space)."""
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+        (err,) = self.rt.cudaHostRegister(ptr, nbytes, flags)
+        if err != self._success:
+            raise self._fail(f"cudaHostRegister of {nbytes} bytes", err)
+
+    def host_unregister(self, ptr: int) -> None:
+        (err,) = self.rt.cudaHostUnregister(ptr)
+        if err != self._success:
             self.clear_error()
-            raise RuntimeError(f"cross-stream wait failed with CUDA error {err}")
 
     def device_pointer(self, host_ptr: int) -> int | None:
-        out = ctypes.c_void_p(0)
-        if self.lib.cudaHostGetDevicePointer(ctypes.byref(out), host_ptr, 0) != 0:
+        """The device address of host-registered memory, or None."""
+        err, out = self.rt.cudaHostGetDevicePointer(host_ptr, 0)
+        if err != self._success:
             self.clear_error()
             return None
-        return out.value
+        return bindings.as_int(out)
 
     @property
     def has_batch(self) -> bool:
@@ -149,31 +124,24 @@ class CudaRuntime:
         device_index: int,
         stream: int,
     ) -> None:
-        """One `cudaMemcpyBatchAsync` of `len(sizes)` copies (uint64 arrays) on `stream`."""
-        attrs = _MemcpyAttributes()
-        attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
-        device = _MemLocation(_MEM_LOCATION_DEVICE, device_index)
-        host = _MemLocation(_MEM_LOCATION_HOST, 0)
+        """One `cudaMemcpyBatchAsync` of `len(sizes)` copies (uint64 arrays) on `stream`,
+        sources read in stream order, with the host/device location hints."""
+        rt = self.rt
+        device, host = rt.cudaMemLocation(), rt.cudaMemLocation()
+        device.type, device.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, device_index
+        host.type, host.id = rt.cudaMemLocationType.cudaMemLocationTypeHost, 0
+        attrs = rt.cudaMemcpyAttributes()
+        attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         attrs.srcLocHint, attrs.dstLocHint = (device, host) if to_host else (host, device)
         attrs.flags = 0
-        index = ctypes.c_size_t(0)
-        args: list[Any] = [
-            dsts.ctypes.data,
-            srcs.ctypes.data,
-            sizes.ctypes.data,
-            len(sizes),
-            ctypes.addressof(attrs),
-            ctypes.addressof(index),
-            1,
-        ]
-        if self.version < 13000:
-            fail = ctypes.c_size_t(0)
-            args.append(ctypes.addressof(fail))
-        args.append(stream)
-        err = int(self._batch(*args))
-        if err != 0:
-            self.clear_error()
-            raise RuntimeError(f"cudaMemcpyBatchAsync failed with CUDA error {err}")
+        count = len(sizes)
+        # CUDA 12.8/12.9 also return the failing index; CUDA 13 dropped it.
+        result = self._batch(
+            dsts.tolist(), srcs.tolist(), sizes.tolist(), count, [attrs], [0], 1, stream
+        )
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self._success:
+            raise self._fail("cudaMemcpyBatchAsync", err)
 
 
 class DeviceArray:

@@ -112,7 +112,11 @@ class ECNixlReader:
                 remote, effect.remote_base_addr, max(effect.src_blocks) + 1
             )
             handle = self.agent.read(
-                self._local, list(effect.dst_blocks), remote_list, list(effect.src_blocks)
+                self._local,
+                list(effect.dst_blocks),
+                remote_list,
+                list(effect.src_blocks),
+                notif=effect.notif,
             )
         except KvHandoffError as exc:
             self.post_failures += 1
@@ -140,8 +144,32 @@ class ECNixlReader:
         if self.bus.get(EC_PRODUCER_AGENT, name) is not None:
             self.bus.dispatch(EC_PRODUCER_AGENT, name, event, self.clock())
 
+    def _unnamed(self, effect: IssueRead, metadata: bytes) -> AgentCtx | None:
+        """The agent of a grant that names none (a stock vLLM producer, C-03): the one
+        loaded for that producer from the same metadata; one loaded from other metadata
+        is replaced (the producer restarted, R-E11)."""
+        address = (effect.peer_host, effect.peer_port)
+        for inst in self.bus.instances(EC_PRODUCER_AGENT):
+            ctx = inst.ctx
+            if (ctx.peer_host, ctx.peer_port) != address:
+                continue
+            if ctx.metadata == metadata:
+                return ctx
+            self._deliver(ctx.key, MetadataChanged())
+        return None
+
     def _remote_for(self, effect: IssueRead) -> AgentCtx:
         name, metadata = effect.producer_agent_name, bytes(effect.producer_agent_metadata)
+        if not name:
+            known = self._unnamed(effect, metadata)
+            if known is not None:
+                return known
+            loaded = self.agent.add_remote(metadata)
+            if self.bus.get(EC_PRODUCER_AGENT, loaded) is not None:
+                self._deliver(loaded, MetadataChanged())
+            ctx = AgentCtx(loaded, metadata, effect.peer_host, effect.peer_port)
+            self.agents_loaded += 1
+            return self.bus.create(EC_PRODUCER_AGENT, ctx, self.clock()).ctx
         remote = self.bus.get(EC_PRODUCER_AGENT, name)
         if remote is not None and remote.ctx.metadata != metadata:
             # The same agent name with new metadata: the producer restarted (R-E11).

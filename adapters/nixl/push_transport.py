@@ -27,7 +27,7 @@ from kvhandoff.adapters.push_transport import (
     TransferHandle,
     XferState,
 )
-from kvhandoff.adapters.zmq.side_channel import fetch_handshake
+from kvhandoff.adapters.zmq.side_channel import fetch_rank_handshakes
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
@@ -43,6 +43,18 @@ from kvhandoff.protocol.member_routing import (
     derive_member_major_layout,
 )
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
+from kvhandoff.protocol.vllm_compat import VllmCompatFactors
+
+
+def _layout_facts(factors: VllmCompatFactors | None) -> dict[str, Any]:
+    """Block size, KV layout and attention backend as a stock vLLM peer compares them."""
+    if factors is None:
+        return {}
+    return {
+        "block_size": factors.block_size,
+        "kv_cache_layout": factors.kv_cache_layout,
+        "attn_backend_name": factors.attn_backend_name,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +77,11 @@ class NixlPushTransport:
         agent: NixlAgent,
         regions: Sequence[LocalRegion],
         *,
-        compatibility_hash: str,
+        compatibility_hash: str | None = None,
+        vllm_factors: VllmCompatFactors | None = None,
+        block_size: int | None = None,
+        kv_cache_layout: str | None = None,
+        attn_backend_name: str | None = None,
         tp_size: int = 1,
         tp_rank: int = 0,
         pp_size: int = 1,
@@ -83,7 +99,20 @@ class NixlPushTransport:
         self.mem = mem
         self.device_id = device_id
         self.physical_blocks_per_logical = physical_blocks_per_logical
+        if compatibility_hash is None:
+            if vllm_factors is None:
+                raise LocalProtocolError("a push transport needs a compatibility hash or factors")
+            compatibility_hash = vllm_factors.compatibility_hash()
         self.compatibility_hash = compatibility_hash
+        # C-01: the layout facts a stock vLLM peer compares at handshake time (explicit
+        # arguments win over the factors').
+        self.layout_facts = _layout_facts(vllm_factors)
+        explicit = {
+            "block_size": block_size,
+            "kv_cache_layout": kv_cache_layout,
+            "attn_backend_name": attn_backend_name,
+        }
+        self.layout_facts.update({k: v for k, v in explicit.items() if v is not None})
         self.extensions: tuple[str, ...] = ()
         self.auth_key_id = ""
         self.layout: MemberLayout = derive_member_major_layout(
@@ -137,14 +166,18 @@ class NixlPushTransport:
             region_members=self.layout.region_members,
             extensions=self.extensions,
             auth_key_id=self.auth_key_id,
+            device_id=self.device_id,
+            **self.layout_facts,
         )
 
     def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
         self.extensions = tuple(extensions)
         self.auth_key_id = auth_key_id
 
-    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
-        return fetch_handshake(host, port, timeout_s)
+    def fetch_handshake(
+        self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
+    ) -> list[bytes]:
+        return fetch_rank_handshakes(host, port, timeout_s, ranks)
 
     def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
         local = self.handshake_payload()

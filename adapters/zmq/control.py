@@ -4,6 +4,12 @@ The producer binds one `ControlServer` (a ROUTER, default `localhost:5601`); eac
 keeps one `ControlClient` (a DEALER) per producer peer. Only bytes move here: the msgspec
 codec of `XferReq`/`XferAck` lives in the protocol package.
 
+Framing is vLLM 0.33.0's (C-03): the DEALER sends `[b"", message]` and receives the
+same; the ROUTER receives `[identity, b"", message]` and answers with it. Any other
+frame shape (a missing or non-empty delimiter, too few or too many frames) is dropped,
+counted in `dropped` and handed to `on_reject(peer, reason)`; the socket goes on serving
+the next message (item 3 of issue 16, S-01, S-06).
+
 Both ends are single-threaded: the caller's thread owns the sockets and drives them with
 the non-blocking `poll_*` methods. Sockets use linger 0 and a message size cap (ZMQ drops
 a peer that sends a bigger message), and ZMQ heartbeats (2 s interval, 4 s timeout, 8 s TTL
@@ -15,6 +21,7 @@ a closed connection surfaces as a `DISCONNECTED` event from `poll_events()` and 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,6 +61,24 @@ _EVENT_NAMES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "HANDSHAKE_FAILED",
 }
 _WATCHED = sum(_EVENT_NAMES)
+
+RejectHook = Callable[[str, str], None]
+"""`on_reject(peer, reason)`: a message the socket dropped, for the caller's rejection log."""
+
+
+def _quiet(peer: str, reason: str) -> None:
+    log.debug("control message from %s dropped: %s", peer, reason)
+
+
+def _frames_problem(frames: list[bytes], expected: int) -> str | None:
+    """Why `frames` is not vLLM's envelope of `expected` frames (the message last, an
+    empty delimiter before it), or None."""
+    if len(frames) != expected:
+        shape = "(identity, b'', message)" if expected == 3 else "(b'', message)"
+        return f"{len(frames)} frames, expected {expected} {shape}"
+    if frames[-2] != b"":
+        return f"frame {expected - 2} is not the empty delimiter"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +136,11 @@ class ControlServer:
         heartbeat: Heartbeat | None = None,
         max_message_bytes: int = MAX_CONTROL_BYTES,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        on_reject: RejectHook | None = None,
     ) -> None:
         ctx = context if context is not None else zmq.Context.instance()
         self.heartbeat = heartbeat or Heartbeat()
+        self.on_reject = on_reject or _quiet
         sock = _socket(ctx, zmq.ROUTER, max_message_bytes, self.heartbeat, host)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -138,19 +165,24 @@ class ControlServer:
     def poll_requests(self, max_batch: int = MAX_BATCH) -> list[tuple[bytes, bytes]]:
         """Queued requests as `(peer_identity, payload)`, without blocking.
 
-        A message that is not exactly `[identity, payload]` is dropped and counted.
+        A message that is not exactly `[identity, b"", payload]` is dropped, counted and
+        reported to `on_reject`; the ones after it are still read.
         """
         sock = self._live()
         out: list[tuple[bytes, bytes]] = []
-        while len(out) < max_batch:
+        seen = 0
+        while seen < max_batch:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 2:
+            seen += 1
+            problem = _frames_problem(frames, 3)
+            if problem is not None:
                 self.dropped += 1
+                self.on_reject(frames[0].hex()[:64] if frames else "?", problem)
                 continue
-            out.append((frames[0], frames[1]))
+            out.append((frames[0], frames[2]))
         return out
 
     def wait_readable(self, timeout_ms: int) -> bool:
@@ -161,7 +193,7 @@ class ControlServer:
         """Queue `payload` for one peer; False when that peer is gone or its queue is full."""
         sock = self._live()
         try:
-            sock.send_multipart([peer_identity, payload], zmq.NOBLOCK)
+            sock.send_multipart([peer_identity, b"", payload], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH (unknown peer) or EAGAIN (queue full)
             log.debug("control reply to %r not queued: %s", peer_identity, exc)
             return False
@@ -191,11 +223,14 @@ class ControlClient:
         heartbeat: Heartbeat | None = None,
         max_message_bytes: int = MAX_CONTROL_BYTES,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        on_reject: RejectHook | None = None,
     ) -> None:
         if port <= 0:
             raise ValueError(f"cannot connect to port {port}")
         ctx = context if context is not None else zmq.Context.instance()
         self.heartbeat = heartbeat or Heartbeat()
+        self.on_reject = on_reject or _quiet
+        self.dropped = 0
         self.endpoint = tcp_endpoint(host, port)
         sock = _socket(ctx, zmq.DEALER, max_message_bytes, self.heartbeat, host)
         self._monitor: zmq.Socket[bytes] | None = sock.get_monitor_socket(_WATCHED)
@@ -216,22 +251,29 @@ class ControlClient:
     def send(self, payload: bytes) -> bool:
         """Queue one request; False when the send queue is full (nothing is sent)."""
         try:
-            self._live().send(payload, zmq.NOBLOCK)
+            self._live().send_multipart([b"", payload], zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
 
     def poll_replies(self, max_batch: int = MAX_BATCH) -> list[bytes]:
-        """Replies that have arrived, without blocking."""
+        """Replies that have arrived, without blocking. A message that is not exactly
+        `[b"", payload]` is dropped, counted and reported to `on_reject`."""
         sock = self._live()
         out: list[bytes] = []
-        while len(out) < max_batch:
+        seen = 0
+        while seen < max_batch:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) == 1:
-                out.append(frames[0])
+            seen += 1
+            problem = _frames_problem(frames, 2)
+            if problem is not None:
+                self.dropped += 1
+                self.on_reject(self.endpoint, problem)
+                continue
+            out.append(frames[1])
         return out
 
     def wait_readable(self, timeout_ms: int) -> bool:

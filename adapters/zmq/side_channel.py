@@ -1,47 +1,82 @@
-"""The ZMQ side channel that hands out NIXL agent metadata (R-P15).
+"""The ZMQ side channel that hands out NIXL agent metadata (R-P15, C-01, S-01).
 
-A `SideChannelServer` binds a ROUTER at `tcp://host:port` and answers every request frame
-`b"GET_META"` with the bytes its `payload_provider` returns at that moment (so metadata
-registered later is included): for push mode, the engine's `EngineHandshake`, every
-rank's payload, served by the engine's scheduler side. It runs on one daemon thread that
-owns the ROUTER; `close()` wakes that thread through an inproc PAIR socket and joins it,
-so shutdown is deterministic. Oversized, malformed or unknown requests are dropped without
-an answer, counted and logged rate-limited (`rejections`, S-06); no input, and no error
-while answering one, stops the thread (S-01).
+The wire is vLLM 0.33.0's, so a stock vLLM peer and kvhandoff fetch each other's
+metadata. A `SideChannelServer` binds a ROUTER at `tcp://host:port`; a client (a REQ
+socket) sends one msgpack array ``[b"get_meta_msg", pp_rank, tp_rank]`` per remote rank
+and gets two frames back: that rank's handshake payload and the server's
+``perf_counter`` as a msgpack float (the peer estimates the clock offset from it). The
+payload is what `payload_provider(pp_rank, tp_rank)` returns at that moment (so metadata
+registered later is included); None means no such rank.
 
-`fetch_handshake(host, port, timeout_s)` is the client: one DEALER, one request, one reply
-or `HandshakeTimeout`.
+The server runs on one daemon thread that owns the ROUTER; `close()` wakes that thread
+through an inproc PAIR socket and joins it, so shutdown is deterministic. A request of
+the wrong frame count, an oversized one (ZMQ drops a peer whose message exceeds
+`MAX_REQUEST_BYTES`), garbage, msgpack nested or sized past tiny limits, kvhandoff's old
+one-frame ``GET_META``, an unknown rank: each is dropped without an answer, counted
+(`requests_dropped`) and logged rate-limited (`rejections`, S-06); no input, and no
+error while answering one, stops the thread, and the next valid request is served (S-01).
+
+`fetch_rank_handshakes(host, port, timeout_s, ranks)` is the client: one REQ socket, one
+request per rank, each reply checked to be two frames, or `HandshakeTimeout`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import Final, cast
 
+import msgspec
 import zmq
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
+from kvhandoff.protocol.handshake import decode_handshake, engine_bundle_parts
+from kvhandoff.protocol.nixl_wire import GET_META_MSG, decode_meta_request, encode_meta_request
+from kvhandoff.protocol.push_wire import MSGPACK_DECODE_ERRORS
 
 __all__ = [
-    "GET_META",
+    "GET_META_MSG",
     "HandshakeTimeout",
+    "RankProvider",
     "SideChannelServer",
+    "encode_request",
     "fetch_handshake",
+    "fetch_rank_handshakes",
     "tcp_endpoint",
 ]
 
 log = logging.getLogger(__name__)
 
-#: The only request the server answers.
-GET_META = b"GET_META"
 #: Largest request message the server accepts; ZMQ drops a peer that sends more.
 MAX_REQUEST_BYTES = 1024
+
+RankProvider = Callable[[int, int], bytes | None]
+"""(pp_rank, tp_rank) -> that rank's encoded payload, or None when there is no such rank."""
+
+_CLOCK: Final = msgspec.msgpack.Decoder(float)
+
+
+encode_request = encode_meta_request
+"""The request for one rank's payload."""
+
+
+def _rank_of_bundle(bundle: bytes, pp_rank: int, tp_rank: int) -> bytes | None:
+    """The element of an `encode_engine_handshake` bundle serving (pp_rank, tp_rank)."""
+    for part in engine_bundle_parts(bundle):
+        payload = decode_handshake(part)
+        if (payload.pp_rank, payload.tp_rank) == (pp_rank, tp_rank):
+            return part
+    return None
+
+
 #: Largest reply the client accepts by default (agent metadata grows with registrations).
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
@@ -67,20 +102,22 @@ def tcp_endpoint(host: str, port: int) -> str:
 
 
 class SideChannelServer:
-    """ROUTER on a daemon thread answering `GET_META` with `payload_provider()`."""
+    """ROUTER on a daemon thread answering each rank's request with its payload.
+
+    `payload_provider` takes (pp_rank, tp_rank). A provider of no arguments returns an
+    `encode_engine_handshake` bundle of every rank, and the server picks the rank asked
+    for (for callers that hold a whole engine's payloads at once)."""
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         port: int = 0,
-        payload_provider: Callable[[], bytes] | None = None,
+        payload_provider: RankProvider | Callable[[], bytes] | None = None,
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         poll_ms: int = 1000,
     ) -> None:
-        if payload_provider is None:
-            raise ValueError("SideChannelServer needs a payload_provider")
-        self._provider = payload_provider
+        self._provider = _rank_provider(payload_provider)
         # ZMQ closes sockets on its I/O thread, after `close` returns: only terminating the
         # context waits for the listening socket to be gone. A server that owns its context
         # therefore frees its port by the time `close` returns.
@@ -150,11 +187,12 @@ class SideChannelServer:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = self._answer(frames)
-            if reply is None:
+            peer = frames[0].hex()[:32] if frames else None
+            try:
+                reply = self._answer(frames)
+            except RemoteProtocolError as exc:
                 self.requests_dropped += 1
-                peer = frames[0].hex()[:32] if frames else None
-                self.rejections.reject(peer, "malformed or unknown request", real_clock())
+                self.rejections.reject(peer, exc, real_clock())
                 continue
             # Counted before the send: a peer that got its reply may read the counter.
             self.requests_served += 1
@@ -165,23 +203,23 @@ class SideChannelServer:
                 self.requests_dropped += 1
                 log.debug("side channel reply dropped: %s", exc)
 
-    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
-        """Reply frames for one request, or None to ignore it.
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        """Reply frames for one request; `RemoteProtocolError` for one to drop.
 
-        Accepted shapes: `[identity, GET_META]` (DEALER) and `[identity, b"", GET_META]`
-        (REQ); the reply keeps the envelope so both clients read it.
-        """
-        if len(frames) not in (2, 3) or frames[-1] != GET_META:
-            return None
-        envelope = frames[1:-1]
-        if envelope and envelope != [b""]:
-            return None
+        Accepted shape: `[identity, b"", request]` (a REQ client, or a DEALER that sends
+        the empty delimiter itself); the reply keeps the envelope."""
+        if len(frames) != 3 or frames[1] != b"":
+            raise RemoteProtocolError(f"request of {len(frames) - 1} frames, expected 2")
+        pp_rank, tp_rank = decode_meta_request(frames[2])
         try:
-            payload = self._provider()
-        except Exception:
+            payload = self._provider(pp_rank, tp_rank)
+        except Exception as exc:
             log.exception("side channel payload provider failed")
-            return None
-        return [frames[0], *envelope, bytes(payload)]
+            raise RemoteProtocolError(f"no payload for pp {pp_rank} / tp {tp_rank}") from exc
+        if payload is None:
+            raise RemoteProtocolError(f"no rank pp {pp_rank} / tp {tp_rank} here")
+        clock = msgspec.msgpack.encode(time.perf_counter())
+        return [frames[0], b"", bytes(payload), clock]
 
     def close(self) -> None:
         """Stop the thread and close its sockets; returns once it has. Idempotent."""
@@ -208,39 +246,88 @@ class SideChannelServer:
         self.close()
 
 
-def fetch_handshake(
+def _rank_provider(provider: RankProvider | Callable[[], bytes] | None) -> RankProvider:
+    if provider is None:
+        raise ValueError("SideChannelServer needs a payload_provider")
+    required = [
+        p
+        for p in inspect.signature(provider).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if not required:
+        bundle_of = cast(Callable[[], bytes], provider)
+
+        def from_bundle(pp_rank: int, tp_rank: int) -> bytes | None:
+            return _rank_of_bundle(bundle_of(), pp_rank, tp_rank)
+
+        return from_bundle
+    return cast(RankProvider, provider)
+
+
+def fetch_rank_handshakes(
     host: str,
     port: int,
     timeout_s: float,
+    ranks: Sequence[tuple[int, int]],
     *,
     max_reply_bytes: int = MAX_REPLY_BYTES,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
-) -> bytes:
-    """Ask the side channel at `host:port` for its payload.
+) -> list[bytes]:
+    """Ask the side channel at `host:port` for the payload of each (pp_rank, tp_rank).
 
-    Raises `HandshakeTimeout` when no reply arrives within `timeout_s` (connection refused
-    counts: ZMQ keeps retrying until the deadline), `RemoteProtocolError` for a reply that
-    is not one frame.
+    Raises `HandshakeTimeout` when a reply does not arrive within `timeout_s` (connection
+    refused counts: ZMQ keeps retrying until the deadline), `RemoteProtocolError` for a
+    reply that is not two frames or whose clock frame is not a msgpack number.
     """
     if port <= 0:
         raise ValueError(f"cannot fetch from port {port}")
     endpoint = tcp_endpoint(host, port)
     ctx = context if context is not None else zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock = ctx.socket(zmq.REQ)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)
-        sock.send(GET_META)
-        if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-            raise HandshakeTimeout(endpoint, timeout_s)
-        frames = sock.recv_multipart(zmq.NOBLOCK)
-        if len(frames) != 1:
-            raise RemoteProtocolError(
-                f"side-channel reply has {len(frames)} frames, expected 1", peer=endpoint
-            )
-        return frames[0]
+        payloads = []
+        for pp_rank, tp_rank in ranks:
+            sock.send(encode_request(pp_rank, tp_rank))
+            if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+                raise HandshakeTimeout(endpoint, timeout_s)
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 2:
+                raise RemoteProtocolError(
+                    f"side-channel reply has {len(frames)} frames, expected 2", peer=endpoint
+                )
+            try:
+                _CLOCK.decode(frames[1])
+            except MSGPACK_DECODE_ERRORS as exc:
+                raise RemoteProtocolError(
+                    f"side-channel reply's clock frame is malformed: {exc}", peer=endpoint
+                ) from exc
+            payloads.append(frames[0])
+        return payloads
     finally:
         sock.close(linger=0)
+
+
+def fetch_handshake(
+    host: str,
+    port: int,
+    timeout_s: float,
+    *,
+    pp_rank: int = 0,
+    tp_rank: int = 0,
+    max_reply_bytes: int = MAX_REPLY_BYTES,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> bytes:
+    """One rank's payload (rank (0, 0) by default); see `fetch_rank_handshakes`."""
+    return fetch_rank_handshakes(
+        host,
+        port,
+        timeout_s,
+        [(pp_rank, tp_rank)],
+        max_reply_bytes=max_reply_bytes,
+        context=context,
+    )[0]

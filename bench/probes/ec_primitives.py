@@ -88,8 +88,8 @@ def host_costs(region: torch.Tensor, bs: int) -> dict[str, float]:
     dev = torch.empty(1024, dtype=torch.int64, device="cuda")
     out["to_device_nonblocking_1024"] = _us(lambda: host.to("cuda", non_blocking=True))
     out["copy_nonblocking_1024"] = _us(lambda: dev.copy_(host, non_blocking=True))
-    rt = CudaRuntime.find()
-    if rt is not None:
+    rt = CudaRuntime.load()
+    if not isinstance(rt, str):
         handle = stream.cuda_stream
         hp, dp = host.data_ptr(), dev.data_ptr()
         out["raw_memcpy_8KiB"] = _us(lambda: rt.memcpy(dp, hp, 8192, handle))

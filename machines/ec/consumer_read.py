@@ -83,7 +83,7 @@ from kvhandoff.protocol.ec_status import (
     XferStatus,
     is_retryable,
 )
-from kvhandoff.protocol.ec_wire import XferAck, XferDone, XferReq
+from kvhandoff.protocol.ec_wire import XferAck, XferDone, XferReq, read_notif
 
 __all__ = [
     "DEFAULT_MAX_NOT_READY_RETRIES",
@@ -124,6 +124,8 @@ class ReadCtx:
     compat_hash: str = ""
     engine_id: str = ""
     agent_name: str = ""
+    session_id: str = ""
+    """This consumer's session: names the grant on the producer and the READ's notif."""
     max_not_ready: float = DEFAULT_MAX_NOT_READY_RETRIES
     """How many NACK_NOT_READY answers are retried (`consumer_max_not_ready_retries`)."""
     not_ready_s: float = DEFAULT_NOT_READY_TIMEOUT_S
@@ -147,10 +149,11 @@ class ReadCtx:
     def request(self) -> XferReq:
         """The `XferReq` of the current attempt."""
         return XferReq(
-            version=EC_CONNECTOR_VERSION,
-            transfer_id=self.transfer_id,
             mm_hash=self.key,
             compat_hash=self.compat_hash,
+            session_id=self.session_id,
+            version=EC_CONNECTOR_VERSION,
+            transfer_id=self.transfer_id,
             consumer_engine_id=self.engine_id,
             consumer_agent_name=self.agent_name,
             num_blocks=len(self.dest_blocks),
@@ -263,6 +266,9 @@ def _leave(ctx: ReadCtx, event: Leave) -> None:
 def _start_read(ctx: ReadCtx, event: Ack) -> list[Effect]:
     ack = ctx.grant = event.ack
     ctx.xfer_done = XFER_DONE in ack.extensions
+    # C-03 / C-04: a producer that speaks XferDone is told with it; any other (a stock
+    # vLLM producer) learns of the READ from its notif, which releases the grant there.
+    notif = b"" if ctx.xfer_done or not ctx.session_id else read_notif(ctx.session_id, ctx.key)
     return [
         IssueRead(
             mm_hash=ctx.key,
@@ -275,7 +281,8 @@ def _start_read(ctx: ReadCtx, event: Ack) -> list[Effect]:
             src_blocks=tuple(ack.block_indices),
             dst_blocks=ctx.dest_blocks,
             block_size_bytes=ack.block_size_bytes,
-            size_bytes=ack.size_bytes,
+            size_bytes=ack.size_bytes or ctx.size_bytes,
+            notif=notif,
         )
     ]
 
@@ -288,9 +295,7 @@ def _retry(ctx: ReadCtx, event: Ack) -> list[Effect]:
 def _done_msg(ctx: ReadCtx, ok: bool) -> list[Effect]:
     if not ctx.xfer_done:
         return []  # the producer does not speak XferDone: its pin lease ends the grant
-    done = XferDone(
-        version=EC_CONNECTOR_VERSION, transfer_id=ctx.transfer_id, mm_hash=ctx.key, ok=ok
-    )
+    done = XferDone(mm_hash=ctx.key, transfer_id=ctx.transfer_id, ok=ok, session_id=ctx.session_id)
     return [SendXferDone(ctx.peer_host, ctx.peer_port, done)]
 
 

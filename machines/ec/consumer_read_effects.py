@@ -23,7 +23,9 @@ class SendXferReq(Effect):
 
 @dataclass(frozen=True, slots=True)
 class IssueRead(Effect):
-    """NIXL adapter: load `producer_agent_metadata` if this agent is new or changed, READ
+    """NIXL adapter: load `producer_agent_metadata` if this agent is new or changed (a
+    stock vLLM producer names no agent: `producer_agent_name` is '' and the metadata says
+    it), READ
     `src_blocks` of the producer's region into `dst_blocks` of ours, release the handle
     when it ends and then report `on_read_done(mm_hash, transfer_id, now)` or
     `on_read_failed(...)`."""
@@ -39,6 +41,9 @@ class IssueRead(Effect):
     dst_blocks: tuple[int, ...]
     block_size_bytes: int
     size_bytes: int
+    notif: bytes = b""
+    """The notif the READ carries (`<session_id>:<mm_hash>` for a producer that releases
+    grants on it, C-03; empty when it speaks `XferDone`)."""
 
 
 @dataclass(frozen=True, slots=True)

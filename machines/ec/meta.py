@@ -86,6 +86,9 @@ class ECRequestInfo:
     metadata_only: frozenset[str] = frozenset()
     mm_metadata: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     mm_tokens: tuple[int, ...] = ()
+    mm_modalities: tuple[str, ...] = ()
+    """Modality of each multimodal input, in `mm_hashes` order (optional; published as
+    vLLM's `modality`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,19 @@ foreign version, a wrong compatibility hash, an unknown `mm_hash` or a consumer 
 pin cap in a well-formed `XferReq` is answered with its NACK by the grant machine.
 
 Trust (S-02): every `XferReq` carries a fresh random transfer id drawn from
-`transfer_ids` (128 bits by default), and an ack counts only when it arrives from the
-producer the request went to, for the attempt in flight. An `OK` ack that will not be
+`transfer_ids` (128 bits by default) and this consumer's random session id, and an ack
+counts only when it arrives from the producer the request went to, for the attempt in
+flight. A stock vLLM producer echoes no transfer id (C-03): its ack counts for the read of
+its `mm_hash` from that producer while that read awaits an ack, and its session id, when
+echoed, must be ours. An `OK` ack that will not be
 used (late, for an earlier attempt or a read that ended, or foreign) is answered with an
 `XferDone(ok=False)` when its sender advertised `xfer_done` (C-04), so the producer
 unpins at once instead of after its 30 s lease.
+
+Grant release (C-03, C-04): with a producer that advertised `xfer_done` the consumer's
+READ carries no notif and `XferDone` releases the grant; with any other (a stock vLLM
+producer) the READ carries the notif `<session_id>:<mm_hash>`, which releases it there.
+The producer accepts both: `on_read_notif` ends the grant the notif names, once.
 
 Every entry point takes `now` and gives it to the bus before looking at a machine, so a
 message that waited meets the state its deadlines decided.
@@ -29,6 +37,8 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import msgspec
 
 from kvhandoff.machines.ec.cache import EmbeddingCache
 from kvhandoff.machines.ec.consumer_read import (
@@ -48,6 +58,7 @@ from kvhandoff.machines.ec.producer_grant import (
     EC_PRODUCER_GRANT,
     Check,
     GrantCtx,
+    ReadNotified,
     XferDone,
 )
 from kvhandoff.machines.ec.settlement import (
@@ -62,7 +73,7 @@ from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.protocol import ec_wire
 from kvhandoff.protocol.ec_config import ECLayout
 from kvhandoff.protocol.ec_grants import check_xfer_ack
-from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XFER_DONE, XferStatus
+from kvhandoff.protocol.ec_status import XFER_DONE, XferStatus
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = ["P2PConsumer", "P2PProducer", "TransferIds", "random_transfer_id"]
@@ -107,6 +118,11 @@ class P2PConsumer:
         self.stale_acks = 0
         self.late_completions = 0
         self.unused_grants_released = 0
+        # Names this consumer to producers: grants and READ notifs are keyed by it. Random
+        # (S-02) unless the transfer ids are injected (a simulation replays exactly).
+        self.session_id = (
+            random_transfer_id() if transfer_ids is random_transfer_id else f"session-{engine_id}"
+        )
         machine = bus.register(EC_CONSUMER_READ, config)
         self.max_not_ready = machine.config["consumer_max_not_ready_retries"]
         self.not_ready_s = machine.config["consumer_not_ready_timeout_s"]
@@ -145,6 +161,7 @@ class P2PConsumer:
             compat_hash=self.compat_hash,
             engine_id=self.engine_id,
             agent_name=self.engine_id,
+            session_id=self.session_id,
             max_not_ready=self.max_not_ready,
             not_ready_s=self.not_ready_s,
             waiters={effect.waiter},
@@ -181,6 +198,14 @@ class P2PConsumer:
         self.bus.advance(now)
         inst = self.read(ack.mm_hash)
         ctx = None if inst is None else inst.ctx
+        if not ack.transfer_id and ctx is not None and ctx.transfer_id and peer == ctx.peer:
+            # A stock vLLM producer echoes no transfer id: its ack answers the read of its
+            # mm_hash from it (C-03); a session id it echoes must be ours.
+            if ack.session_id and ack.session_id != ctx.session_id:
+                raise self._reject(
+                    f"XferAck for {ack.mm_hash!r} names session {ack.session_id!r}", peer
+                )
+            ack = msgspec.structs.replace(ack, transfer_id=ctx.transfer_id)
         current = ctx is not None and ack.transfer_id == ctx.transfer_id
         earlier = ctx is not None and ack.transfer_id in ctx.past_ids
         if ctx is not None and (current or earlier) and peer != ctx.peer:
@@ -217,7 +242,7 @@ class P2PConsumer:
         if ack.status is not XferStatus.OK or XFER_DONE not in ack.extensions or address is None:
             return
         done = ec_wire.XferDone(
-            version=EC_CONNECTOR_VERSION, transfer_id=ack.transfer_id, mm_hash=ack.mm_hash, ok=False
+            mm_hash=ack.mm_hash, transfer_id=ack.transfer_id, ok=False, session_id=ack.session_id
         )
         self.unused_grants_released += 1
         self.bus.execute(SendXferDone(address[0], address[1], done))
@@ -277,7 +302,10 @@ class P2PProducer:
         self.agent_name = ""
         self.agent_metadata = b""
         self.region_base_addr = 0
+        self.mem_descriptor = b""
         self.remote_errors = 0
+        self.superseded = 0
+        self.late_notifs = 0
         machine = bus.register(EC_PRODUCER_GRANT, config)
         self.lease_s = machine.config["pin_lease_s"]
         self.max_per_peer = machine.config["producer_max_grants_per_peer"]
@@ -292,6 +320,10 @@ class P2PProducer:
         self.agent_name = agent_name
         self.agent_metadata = bytes(agent_metadata)
         self.region_base_addr = base_addr
+        layout = self.layout
+        self.mem_descriptor = ec_wire.encode_mem_descriptor(
+            base_addr, layout.block_size_bytes, layout.num_blocks
+        )
 
     def grants(self) -> list[Instance[GrantCtx]]:
         return self.bus.instances(EC_PRODUCER_GRANT)
@@ -311,10 +343,18 @@ class P2PProducer:
             self._on_done(peer, msg, shown, now)
 
     def _on_request(self, peer: bytes | str, req: ec_wire.XferReq, shown: str, now: float) -> None:
-        key = (peer, req.transfer_id)
-        if self.bus.get(EC_PRODUCER_GRANT, key) is not None:
+        notif_key = f"{req.session_id}:{req.mm_hash}" if req.session_id else ""
+        # A stock vLLM consumer sends no transfer id: its grant is named by its session.
+        key = (peer, req.transfer_id or notif_key)
+        old = self.bus.get(EC_PRODUCER_GRANT, key)
+        if old is not None and req.transfer_id:
             self.remote_errors += 1
             raise RemoteProtocolError(f"XferReq {req.transfer_id!r} is already granted", peer=shown)
+        if old is not None:
+            # A stock consumer asks again for a grant it holds (its ack wait ran out): as
+            # vLLM's producer does, the old pin goes before the new grant takes one.
+            self.superseded += 1
+            self.bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(False), now)
         entry = self.cache.entry(req.mm_hash)
         pins = self.pins()
         check = Check(
@@ -335,6 +375,8 @@ class P2PProducer:
             agent_metadata=self.agent_metadata,
             region_base_addr=self.region_base_addr,
             block_size_bytes=self.layout.block_size_bytes,
+            mem_descriptor=self.mem_descriptor,
+            notif_key=notif_key,
             lease_s=self.lease_s,
             max_per_peer=self.max_per_peer,
             max_total=self.max_total,
@@ -356,6 +398,28 @@ class P2PProducer:
         except RemoteProtocolError:
             self.remote_errors += 1
             raise
+
+    def on_read_notif(self, sender: str, message: bytes, now: float) -> bool:
+        """NIXL: a consumer's READ arrived with notif `<session_id>:<mm_hash>` (C-03): the
+        grant it names is released. False (counted in `late_notifs`) when no live grant
+        has that name (its lease ended, or it was released already); `RemoteProtocolError`
+        for a notif that is no such name."""
+        try:
+            key = bytes(message).decode("utf-8")
+        except (UnicodeDecodeError, TypeError) as exc:
+            self.remote_errors += 1
+            raise RemoteProtocolError(f"READ notif is not UTF-8: {exc}", peer=sender) from exc
+        if ":" not in key or len(key) > 2 * ec_wire.MAX_ID_CHARS + 1:
+            self.remote_errors += 1
+            raise RemoteProtocolError(f"READ notif {key[:80]!r} names no grant", peer=sender)
+        bus = self.bus
+        bus.advance(now)
+        for inst in bus.tagged(EC_PRODUCER_GRANT, "leased"):
+            if inst.ctx.notif_key == key:
+                bus.dispatch(EC_PRODUCER_GRANT, inst.key, ReadNotified(), now)
+                return True
+        self.late_notifs += 1
+        return False
 
     def on_peer_disconnected(self, peer: bytes | str, now: float) -> None:
         """A consumer went away; its grants keep their pins until the lease ends."""

@@ -8,7 +8,10 @@ entry it names. The guards are tried in order:
 1. `wrong_version`: the request's connector version is not ours -> `NACK_VERSION`.
 2. `incompatible`: its compatibility hash (engine version, model, dtype,
    block_size_bytes) differs from ours -> `NACK_INCOMPAT`.
-3. `absent`: no entry for the `mm_hash`, or one of another size -> `NACK_MISSING`.
+2b. `anonymous`: it names neither a session nor a transfer id, so its grant could not be
+   told from another consumer's -> `NACK_INTERNAL` (as vLLM 0.33).
+3. `absent`: no entry for the `mm_hash`, or one of another size than the request says
+   (a stock vLLM consumer says none) -> `NACK_MISSING`.
 4. `not_ready`: the entry is allocated but its GPU->mmap save has not landed ->
    `NACK_NOT_READY` (the consumer retries next step).
 5. `over_cap`: granting would make the asking consumer hold more than
@@ -20,11 +23,12 @@ entry it names. The guards are tried in order:
    region base address and the producer's NIXL agent metadata (R-E11).
 
 Every answer is a `SendXferAck(peer, ack)` effect for the ZMQ ROUTER adapter. A granted
-pin is held for `pin_lease_s` (30 s): `xfer_done` (the consumer's `XferDone`) or
-`lease_expired` unpins it. A disconnect does not end a grant early (the peer's READ may
-still be in flight); the lease does. The pins a consumer holds are its grants tagged
-`leased` (a declared query, no count kept beside the machine), which the next `Check`
-carries (S-03).
+pin is held for `pin_lease_s` (30 s): `xfer_done` (a kvhandoff consumer's `XferDone`),
+`read_notified` (the NIXL notif `<session_id>:<mm_hash>` a stock vLLM consumer's READ
+carries, C-03) or `lease_expired` unpins it, whichever comes first, once. A disconnect
+does not end a grant early (the peer's READ may still be in flight); the lease does. The
+pins a consumer holds are its grants tagged `leased` (a declared query, no count kept
+beside the machine), which the next `Check` carries (S-03).
 
 `Check`, `XferDone` and `PeerDisconnected` are peer events: one a state does not declare
 is a `RemoteProtocolError` that changes nothing. Tags: `leased` (granted: the entry is
@@ -51,6 +55,7 @@ __all__ = [
     "GrantCtx",
     "GrantKey",
     "LeaseExpired",
+    "ReadNotified",
     "SendXferAck",
     "XferDone",
 ]
@@ -75,6 +80,11 @@ class GrantCtx:
     agent_metadata: bytes = b""
     region_base_addr: int = 0
     block_size_bytes: int = 0
+    mem_descriptor: bytes = b""
+    """The region as vLLM's per-block descriptor list, for stock consumers (C-03)."""
+    notif_key: str = ""
+    """`<session_id>:<mm_hash>`: the READ notif that releases this grant ('' without a
+    session)."""
     lease_s: float = DEFAULT_PIN_LEASE_S
     """How long a granted pin is held (`pin_lease_s`), announced in the ack."""
     max_per_peer: float = DEFAULT_MAX_GRANTS_PER_PEER
@@ -108,6 +118,12 @@ class XferDone(PeerEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class ReadNotified(PeerEvent):
+    """The consumer's READ of the grant arrived with its notif (a stock vLLM consumer's
+    release, C-03)."""
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseExpired(Event):
     """`pin_lease_s` passed without an `XferDone`."""
 
@@ -128,12 +144,17 @@ def _incompatible(ctx: GrantCtx, event: Check) -> bool:
     return event.req.compat_hash != event.expected_hash
 
 
+def _anonymous(ctx: GrantCtx, event: Check) -> bool:
+    return not (event.req.session_id or event.req.transfer_id)
+
+
 def _absent(ctx: GrantCtx, event: Check) -> bool:
-    return (
-        not event.entry_present
-        or event.entry_size_bytes != event.req.size_bytes
-        or len(event.entry_blocks) != event.req.num_blocks
-    )
+    req = event.req
+    if not event.entry_present:
+        return True
+    if req.size_bytes == 0:  # a stock consumer says no size: the entry is what it gets
+        return False
+    return event.entry_size_bytes != req.size_bytes or len(event.entry_blocks) != req.num_blocks
 
 
 def _not_ready(ctx: GrantCtx, event: Check) -> bool:
@@ -187,6 +208,7 @@ def _grant(ctx: GrantCtx, event: Check) -> list[Effect]:
         size_bytes=event.entry_size_bytes,
         region_base_addr=ctx.region_base_addr,
         lease_s=ctx.lease_s,
+        mem_descriptor=ctx.mem_descriptor,
     )
     return [
         Emit(EC_CACHE_ENTRY, ctx.mm_hash, Pin()),
@@ -199,6 +221,10 @@ def _consumed(ctx: GrantCtx, event: XferDone) -> list[Effect]:
     return [Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin(consumed=event.ok))]
 
 
+def _notified(ctx: GrantCtx, event: ReadNotified) -> list[Effect]:
+    return [Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin(consumed=True)), Metric("ec.producer.notif")]
+
+
 def _lease_expired(ctx: GrantCtx, event: LeaseExpired) -> list[Effect]:
     return [
         Emit(EC_CACHE_ENTRY, ctx.mm_hash, Unpin()),
@@ -209,6 +235,7 @@ def _lease_expired(ctx: GrantCtx, event: LeaseExpired) -> list[Effect]:
 _REFUSALS = (
     ("wrong_version", "refused_version", "nack_version"),
     ("incompatible", "refused_incompat", "nack_incompat"),
+    ("anonymous", "refused_internal", "nack_internal"),
     ("absent", "refused_missing", "nack_missing"),
     ("not_ready", "refused_not_ready", "nack_not_ready"),
     ("over_cap", "refused_busy", "nack_busy"),
@@ -220,8 +247,9 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
     context=GrantCtx,
     description=(
         "Producer answer to one XferReq (R-E09, R-E10, R-E12, S-03): version, then "
-        "compatibility hash, then presence, then readiness, then the per-peer and total "
-        "pin caps; OK pins the entry for a 30 s lease that XferDone or the lease expiry ends."
+        "compatibility hash, then a session, then presence, then readiness, then the per-peer "
+        "and total pin caps; OK pins the entry for a 30 s lease that XferDone, the READ's "
+        "notif (C-03) or the lease expiry ends."
     ),
     states=[
         "received",
@@ -230,7 +258,10 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
             "tags": ("leased",),
             "timeout": Timeout("pin_lease_s", "expired", LeaseExpired, action="unpin_expired"),
         },
-        *({"name": dest, "final": True, "tags": ("refused",)} for _, dest, _ in _REFUSALS),
+        *(
+            {"name": dest, "final": True, "tags": ("refused",)}
+            for dest in dict.fromkeys(dest for _, dest, _ in _REFUSALS)
+        ),
         {"name": "released", "final": True},
         {"name": "expired", "final": True},
     ],
@@ -248,11 +279,13 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
         ),
         {"trigger": Check, "source": "received", "dest": "granted", "after": "grant"},
         {"trigger": XferDone, "source": "granted", "dest": "released", "after": "consumed"},
+        {"trigger": ReadNotified, "source": "granted", "dest": "released", "after": "notified"},
     ],
     ignore=[("granted", PeerDisconnected)],
     callbacks={
         "wrong_version": _wrong_version,
         "incompatible": _incompatible,
+        "anonymous": _anonymous,
         "absent": _absent,
         "not_ready": _not_ready,
         "over_cap": _over_cap,
@@ -265,6 +298,7 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
         "nack_busy": _nack_busy,
         "grant": _grant,
         "consumed": _consumed,
+        "notified": _notified,
         "unpin_expired": _lease_expired,
     },
     config_defaults={

@@ -412,17 +412,29 @@ class ECScheduler(P2PAdapterEvents):
         if self.producer is None:
             return {}
         params: dict[str, dict[str, Any]] = {}
-        for mm_hash in dict.fromkeys(request.mm_hashes):
+        # vLLM 0.33's keys too (C-03): where each mm_hash sits, its modality when the
+        # request says it, and the shape a stock vLLM consumer reads an entry by.
+        indices: dict[str, list[int]] = {}
+        for index, mm_hash in enumerate(request.mm_hashes):
+            indices.setdefault(mm_hash, []).append(index)
+        modalities = tuple(getattr(request, "mm_modalities", ()) or ())
+        for mm_hash, where in indices.items():
             entry = self.cache.entry(mm_hash)
             metadata = request.mm_metadata.get(mm_hash)
+            modality = modalities[where[0]] if where[0] < len(modalities) else ""
             if entry is None or not metadata:
-                params[mm_hash] = unservable_entry()
+                params[mm_hash] = unservable_entry(modality=modality, item_indices=tuple(where))
                 continue
+            size = entry.ctx.size_bytes
+            rows = -(-size // self.layout.block_size_bytes)
             params[mm_hash] = publish_entry(
                 metadata,
                 self.extra.side_channel_host,
                 self.extra.side_channel_port,
-                entry.ctx.size_bytes,
+                size,
+                modality=modality,
+                item_indices=tuple(where),
+                shape=(rows, self.layout.hidden_dim),
             )
             self.cache.deliver(mm_hash, Publish(), now)
         return params

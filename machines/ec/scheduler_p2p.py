@@ -69,6 +69,10 @@ class P2PAdapterEvents:
         """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""
         self._need_producer("on_producer_message").on_message(peer, data, now)
 
+    def on_read_notif(self, sender: str, message: bytes, now: float) -> bool:
+        """NIXL: a consumer's READ notif `<session_id>:<mm_hash>` arrived (C-03)."""
+        return self._need_producer("on_read_notif").on_read_notif(sender, message, now)
+
     def register_nixl_agent(self, agent_name: str, agent_metadata: bytes, base_addr: int) -> None:
         """NIXL: the producer's agent registered the region at `base_addr`."""
         producer = self._need_producer("register_nixl_agent")

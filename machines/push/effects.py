@@ -189,6 +189,9 @@ class StartHandshake(Effect):
     host: str
     port: int
     attempt: int = 0
+    tp_size: int = 1
+    """The peer's TP size as the operation names it (a stock vLLM peer does not say)."""
+    pp_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,6 +114,16 @@ def endpoint(op: DeferredOp) -> tuple[str, int]:
     return op.source.prefill.host, op.source.prefill.port
 
 
+def shape(op: DeferredOp) -> tuple[int, int]:
+    """The peer's (TP, PP) sizes as the operation names them: what the side channel is
+    asked for, one request per rank (C-01)."""
+    if isinstance(op, ReplayRegistration):
+        return op.registration.remote_tp_size, op.registration.remote_pp_size
+    if isinstance(op, ReplayPush):
+        return op.registrations[0].registration.decode_tp_size, 1
+    return op.source.prefill.tp_size, op.source.prefill.pp_size
+
+
 def current(ctx: RemoteEngineCtx, event: Succeeded | Failed) -> bool:
     return event.attempt == ctx.attempt
 
@@ -126,7 +136,9 @@ def _defer(ctx: RemoteEngineCtx, op: DeferredOp) -> list[Effect]:
 def start(ctx: RemoteEngineCtx, event: Ensure) -> list[Effect]:
     ctx.host, ctx.port = endpoint(event.op)
     ctx.attempt += 1
-    return [StartHandshake(ctx.key, ctx.host, ctx.port, ctx.attempt), *_defer(ctx, event.op)]
+    tp_size, pp_size = shape(event.op)
+    handshake = StartHandshake(ctx.key, ctx.host, ctx.port, ctx.attempt, tp_size, pp_size)
+    return [handshake, *_defer(ctx, event.op)]
 
 
 def defer(ctx: RemoteEngineCtx, event: Ensure) -> list[Effect]:

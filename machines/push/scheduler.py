@@ -64,6 +64,7 @@ from kvhandoff.protocol.legs import (
     prefill_coordinates,
     pull_params,
     pull_source,
+    push_decode_params,
 )
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration
@@ -165,7 +166,9 @@ class PushScheduler:
                 blocks,
                 ranks=self.world,
                 heartbeat_engine=prefill.engine_id,
-                heartbeat_id=request_id,
+                # C-01: P's own id when the leg names it (a stock vLLM P matches exactly);
+                # else D's, which a kvhandoff P matches by base id.
+                heartbeat_id=prefill.request_id or request_id,
                 registration=self._registration(request_id, blocks, prefill),
             )
         self.bus.create(D_REQUEST, ctx, now)
@@ -225,7 +228,15 @@ class PushScheduler:
                 self.engine.engine_id, self.engine.host, self.engine.port, self.config.tp_size
             )
             return True, pull_params(here, request_id, list(blocks))
-        return True, None
+        here = PrefillCoordinates(
+            self.engine.engine_id,
+            self.engine.host,
+            self.engine.port,
+            self.config.tp_size,
+            self.config.pp_size,
+            request_id,
+        )
+        return True, push_decode_params(here, list(blocks))
 
     # -- every step --------------------------------------------------------------------
 

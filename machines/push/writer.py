@@ -265,8 +265,10 @@ class PushWriter:
                 f"PUSH_REG {reg.request_id!r} registers no blocks", peer=sender
             )
         check_tp_sizes(cfg.tp_size, reg.decode_tp_size, peer=sender)
-        targets = write_targets(cfg.tp_size, self.tp_rank, reg.decode_tp_size)
-        if reg.decode_tp_rank not in {t.d_rank for t in targets}:
+        targets = sorted(
+            t.d_rank for t in write_targets(cfg.tp_size, self.tp_rank, reg.decode_tp_size)
+        )
+        if reg.decode_tp_rank is not None and reg.decode_tp_rank not in targets:
             raise RemoteProtocolError(
                 f"PUSH_REG {reg.request_id!r} of D rank {reg.decode_tp_rank}, which P rank"
                 f" {self.rank} does not write into",
@@ -277,9 +279,12 @@ class PushWriter:
                 f"an agent of engine {sender_engine!r} registers for {reg.decode_engine_id!r}",
                 peer=sender,
             )
-        self._check_caps(sender, len(reg.block_ids))
-        event = RegArrived(RankRegistration(reg.decode_tp_rank, reg, sender))
-        self._to_slot(reg.request_id, event)
+        # C-01: a stock vLLM D names no rank; its ranks all register the same blocks, so
+        # one registration stands for every D rank this P rank writes into.
+        d_ranks = targets if reg.decode_tp_rank is None else [reg.decode_tp_rank]
+        for d_rank in d_ranks:
+            self._check_caps(sender, len(reg.block_ids))
+            self._to_slot(reg.request_id, RegArrived(RankRegistration(d_rank, reg, sender)))
 
     def _check_caps(self, peer: str, blocks: int) -> None:
         """S-03: what one peer, and every peer together, can make this rank hold."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.protocol.ec_grants import grant_ack
-from kvhandoff.protocol.ec_status import EC_CONNECTOR_VERSION, XferStatus
+from kvhandoff.protocol.ec_status import XferStatus
 from kvhandoff.protocol.ec_wire import (
     XferAck,
     XferDone,
@@ -110,10 +110,12 @@ def _junk_ack(world: SimulatedECWorld) -> None:
     world.note("HOSTILE producer sends junk")
     if world.rng.random() < 0.5:
         guess = f"{consumer.name}-{consumer.epoch}:1:1"
-        ack = XferAck(EC_CONNECTOR_VERSION, guess, "mm00", XferStatus.NACK_MISSING, "evil")
+        ack = XferAck(
+            "mm00", XferStatus.NACK_MISSING, transfer_id=guess, producer_agent_name="evil"
+        )
         _deliver_ack(world, encode_xfer_ack(ack))
         return
-    valid = encode_xfer_ack(XferAck(EC_CONNECTOR_VERSION, "x", "mm00", XferStatus.OK, ""))
+    valid = encode_xfer_ack(XferAck("mm00", XferStatus.OK, transfer_id="x"))
     _deliver_ack(world, bytes([valid[0] + 1]) + valid[1:] + b"\xa3zzz" + DEEP)
 
 
@@ -138,14 +140,14 @@ def _mallory_requests(world: SimulatedECWorld) -> None:
         blocks = 1 if entry is None else len(entry.ctx.blocks)
         size = 8 if entry is None else entry.ctx.size_bytes
         req = XferReq(
-            EC_CONNECTOR_VERSION,
-            f"mallory-{world.hostile_serial}",
             mm_hash,
             COMPAT,
-            "mallory",
-            "mallory",
-            blocks,
-            size,
+            session_id="mallory",
+            transfer_id=f"mallory-{world.hostile_serial}",
+            consumer_engine_id="mallory",
+            consumer_agent_name="mallory",
+            num_blocks=blocks,
+            size_bytes=size,
         )
         _to_producer(world, encode_xfer_req(req))
 
@@ -154,14 +156,14 @@ def _mallory_junk(world: SimulatedECWorld) -> None:
     """Deep bytes, or an `XferDone` for an id the honest consumer might have used."""
     world.note("HOSTILE consumer sends junk")
     if world.rng.random() < 0.5:
-        head = encode_xfer_done(XferDone(EC_CONNECTOR_VERSION, "t", "mm00", True))
+        head = encode_xfer_done(XferDone("mm00", "t", True))
         _to_producer(world, bytes([head[0] + 1]) + head[1:] + b"\xa3zzz" + DEEP[:1500])
         return
     producer = world.plane.producer.scheduler.producer
     grants = [] if producer is None else producer.grants()
     if grants:  # the honest consumer's transfer id, leaked: from mallory it frees nothing
         grant = world.rng.choice(grants)
-        done = XferDone(EC_CONNECTOR_VERSION, grant.ctx.key[1], grant.ctx.mm_hash, True)
+        done = XferDone(grant.ctx.mm_hash, grant.ctx.key[1], True)
         _to_producer(world, encode_xfer_done(done))
 
 

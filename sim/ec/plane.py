@@ -380,12 +380,9 @@ class SimECPlane(DataPlane):
             fault = self.ack_faults.pop(0)
             if fault == "garbage":
                 return b"\xc1garbage", "garbage", ack.mm_hash
-            version = 99 if fault == "NACK_VERSION" else ack.version
-            status = XferStatus.NACK_INTERNAL if fault == "NACK_VERSION" else XferStatus(fault)
-            ack = XferAck(version, ack.transfer_id, ack.mm_hash, status, "")
+            status = XferStatus[fault]
+            ack = XferAck(ack.mm_hash, status, transfer_id=ack.transfer_id)
             data = encode_xfer_ack(ack)
-            if version == 99:
-                status = XferStatus.NACK_VERSION
             self.delivered_acks.append((ack.mm_hash, ack.transfer_id, str(status)))
             return data, str(status), ack.mm_hash
         self.delivered_acks.append((ack.mm_hash, ack.transfer_id, str(ack.status)))

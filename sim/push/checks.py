@@ -117,7 +117,8 @@ class RunChecks:
                 reg = decode_push_reg(message)
             except KvHandoffError:
                 return
-            self.ledger.reg_delivered(dst_agent, reg.request_id, reg.decode_tp_rank)
+            if reg.decode_tp_rank is not None:  # kvhandoff D ranks always name theirs
+                self.ledger.reg_delivered(dst_agent, reg.request_id, reg.decode_tp_rank)
 
     def write_posted(self, transfer: SimTransfer) -> None:
         """A WRITE needs both a live lease on the blocks and D's registration of its target."""

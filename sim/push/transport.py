@@ -38,6 +38,7 @@ from kvhandoff.protocol.handshake import (
     HandshakePayload,
     accept_peer,
     check_compatible,
+    engine_bundle_parts,
 )
 from kvhandoff.protocol.member_routing import (
     LocalRegion,
@@ -140,9 +141,18 @@ class SimPushTransport:
         self.extensions = tuple(extensions)
         self.auth_key_id = auth_key_id
 
-    def fetch_handshake(self, host: str, port: int, timeout_s: float) -> bytes:
+    def fetch_handshake(
+        self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
+    ) -> list[bytes]:
+        """Each rank's element of the engine bundle served at host:port, as one side-channel
+        request per rank would get it (a rank the engine lacks fails like a timeout)."""
         self._check_alive("fetch_handshake")
-        return self.network.fetch(self.engine_id, host, port)
+        parts = engine_bundle_parts(self.network.fetch(self.engine_id, host, port))
+        tp_size = 1 + max((tp for _, tp in ranks), default=0)
+        try:
+            return [parts[pp * tp_size + tp] for pp, tp in ranks]
+        except IndexError:
+            raise SimTransportError(f"no such rank at {host}:{port}") from None
 
     def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
         self._check_alive("connect")

@@ -75,6 +75,27 @@ def _cmd_bench_ec(args: argparse.Namespace) -> int:
     return 0 if result["verified"] else 1
 
 
+def _cmd_bench_vllm(args: argparse.Namespace) -> int:
+    from kvhandoff.integrations.vllm.bench import run_vllm_bench
+
+    try:
+        result = run_vllm_bench(
+            requests=args.vllm_requests,
+            steps=10 if args.quick else 200,
+            rounds=1 if args.quick else 3,
+            progress=_progress,
+        )
+    except RuntimeError as exc:
+        print(f"kvhandoff bench vllm: {exc}", file=sys.stderr)
+        return 2
+    if not args.json:
+        print(f"kvhandoff connector: {result['kvhandoff_us_per_step']} us/step")
+        print(f"vLLM NixlPushConnector: {result['vllm_us_per_step']} us/step")
+        print(f"ratio: {result['ratio']}")
+    print(json.dumps(result) if args.json else "")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ec":
         return _cmd_bench_ec(args)
@@ -92,6 +113,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"bytes per live instance: {result['bytes_per_instance']}")
         print(json.dumps(result) if args.json else "")
         return 0
+    if args.what == "vllm":
+        return _cmd_bench_vllm(args)
     if args.what == "push":
         from kvhandoff.bench.push import config_for, run_push_bench
 
@@ -231,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_trace)
 
     bench = sub.add_parser("bench", help="benchmarks, as ratios against same-run baselines")
-    bench.add_argument("what", choices=["dispatch", "push", "latency", "ec"])
+    bench.add_argument("what", choices=["dispatch", "push", "latency", "ec", "vllm"])
     bench.add_argument("--requests", type=int, default=64, help="latency: requests per run")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
@@ -247,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--blocks", type=int, default=None, help="ec: blocks per batch")
     bench.add_argument(
         "--trace", default=None, metavar="PATH", help="dispatch: also time it traced into PATH"
+    )
+    bench.add_argument(
+        "--vllm-requests",
+        type=int,
+        default=1000,
+        help="vllm: requests in flight per side (needs vLLM: run from .venv-vllm)",
     )
     bench.set_defaults(func=_cmd_bench)
 

@@ -88,7 +88,7 @@ def main() -> None:
     buf = pattern(size, seed)
     agent = NixlAgent(name)
     agent.register_dram(buf.ctypes.data, buf.nbytes)
-    server = SideChannelServer("127.0.0.1", 0, lambda: handshake_payload(agent, buf))
+    server = SideChannelServer("127.0.0.1", 0, lambda pp, tp: handshake_payload(agent, buf))
     say(f"PORT {server.port}")
     parent = msgspec.msgpack.decode(fetch_handshake("127.0.0.1", parent_port, 20.0))
     parent_name = agent.add_remote(parent["meta"])

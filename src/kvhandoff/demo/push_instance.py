@@ -62,10 +62,9 @@ class LivePushInstance:
         # of its own and learns the side once it exists.
         self._side: PushSide | None = None
         from kvhandoff.adapters.zmq.side_channel import SideChannelServer
-        from kvhandoff.protocol.handshake import encode_engine_handshake
 
         self.server = SideChannelServer(
-            listen_host, listen_port, lambda: encode_engine_handshake(self.side.handshake())
+            listen_host, listen_port, lambda pp, tp: self.side.rank_payload(pp, tp)
         )
         self.engine = LocalEngine(engine_id, listen_host, self.server.port)
         self._side = PushSide(

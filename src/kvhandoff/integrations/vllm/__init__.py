@@ -17,6 +17,7 @@ __all__ = [
     "KVHandoffConnector",
     "KVHandoffConnectorMetadata",
     "KVHandoffConnectorStats",
+    "KVHandoffHandshakeMetadata",
     "KVHandoffWorkerMetadata",
     "kvhandoff_params",
     "push_role",
@@ -26,6 +27,7 @@ _LAZY = (
     "KVHandoffConnector",
     "KVHandoffConnectorMetadata",
     "KVHandoffConnectorStats",
+    "KVHandoffHandshakeMetadata",
     "KVHandoffWorkerMetadata",
 )
 

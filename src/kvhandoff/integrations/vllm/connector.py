@@ -9,13 +9,14 @@ and each rank's `PushWorkerOutput` in `KVHandoffWorkerMetadata`, both msgspec St
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -25,15 +26,46 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.push_rank import PushRank
+from kvhandoff.integrations.vllm.nixl_rank import (
+    CompatFactors,
+    RankAssembly,
+    build_rank,
+    kv_regions,
+    serve_handshakes,
+)
 from kvhandoff.integrations.vllm.params import kvhandoff_params, push_role
 from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.meta import PushConnectorMeta, PushWorkerOutput
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
+from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.clock import Clock
+from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.machines.vllm.owed_report import (
+    VLLM_OWED_REPORT,
+    Direction,
+    EngineEndedDropping,
+    EngineEndedUnheld,
+    OwedReportCtx,
+    RanksDropped,
+    Reported,
+    TellEngine,
+    Told,
+)
+from kvhandoff.machines.vllm.rank_receive import (
+    VLLM_RANK_RECEIVE,
+    LoadErrorsOwed,
+    LoadErrorsTaken,
+    RankReceiveCtx,
+    ReceiveEnded,
+    ReceiveFailed,
+)
+from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.push_config import PushConfig
 
 if TYPE_CHECKING:
     import torch
+
+    from kvhandoff.adapters.zmq.side_channel import SideChannelServer
 
 # A request whose blocks finished normally keeps them leased for the push (vLLM 0.33).
 _FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -55,6 +87,15 @@ class KVHandoffWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVHandoffWorkerMetadata:
         more = other.outputs if isinstance(other, KVHandoffWorkerMetadata) else ()
         return KVHandoffWorkerMetadata(self.outputs + more)
+
+
+class KVHandoffHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once, at start-up: the rank's encoded handshake payload (bytes),
+    which the scheduler's side channel serves to peer engines (R-P15)."""
+
+    def __init__(self, payload: bytes, tp_rank: int) -> None:
+        self.payload = payload
+        self.tp_rank = tp_rank
 
 
 @dataclass
@@ -79,9 +120,16 @@ class KVHandoffConnectorStats(KVConnectorStats):
 
 
 def _config(vllm_config: Any) -> PushConfig:
+    """kvhandoff's push settings: the TP/PP sizes vLLM runs with, and every `PushConfig`
+    key (`kv_lease_duration`, `push_registration_timeout`, `handshake_timeout`,
+    `nixl_backend`, `cluster_key`...) found in `kv_connector_extra_config`."""
     parallel = vllm_config.parallel_config
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    known = {f.name for f in fields(PushConfig)} - {"tp_size", "pp_size"}
     return PushConfig(
-        tp_size=int(parallel.tensor_parallel_size), pp_size=int(parallel.pipeline_parallel_size)
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        **{name: value for name, value in extra.items() if name in known},
     )
 
 
@@ -91,6 +139,30 @@ def _engine(vllm_config: Any) -> LocalEngine:
     host = str(extra.get("side_channel_host", envs.VLLM_NIXL_SIDE_CHANNEL_HOST))
     port = int(extra.get("side_channel_port", envs.VLLM_NIXL_SIDE_CHANNEL_PORT))
     return LocalEngine(str(transfer.engine_id), host, port)
+
+
+def compat_factors(vllm_config: Any) -> CompatFactors:
+    """What P and D must share, read from vLLM's config (engine version, model, dtype,
+    block size in tokens)."""
+    import vllm
+
+    model = vllm_config.model_config
+    return CompatFactors(
+        engine_version=f"vllm-{vllm.__version__}",
+        model=str(model.model),
+        dtype=str(model.dtype),
+        kv_block_len=int(vllm_config.cache_config.block_size),
+    )
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    """This worker's TP rank: vLLM's TP group when it is up, else its configured rank."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    parallel = vllm_config.parallel_config
+    return int(parallel.rank) % int(parallel.tensor_parallel_size)
 
 
 class KVHandoffConnector(KVConnectorBase_V1):
@@ -111,22 +183,22 @@ class KVHandoffConnector(KVConnectorBase_V1):
         self.engine = _engine(vllm_config)
         self.scheduler: PushScheduler | None = None
         self.rank: PushRank | None = None
+        self.assembly: RankAssembly | None = None  # the worker's NIXL rank, once registered
+        self.side_channel: SideChannelServer | None = None  # the scheduler's, once served
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._outputs: list[PushWorkerOutput] = []
-        # Scheduler: the ids vLLM waits to hear about once (a second report would crash it).
-        self._awaiting_recv: set[str] = set()
-        self._leased: set[str] = set()
-        self._ending: set[str] = set()  # vLLM ended them; kvhandoff's ranks are dropping them
-        self._released: set[str] = set()  # vLLM ended them; no rank holds them any more
-        self.dropped_reports = 0
         self._stats_seen: dict[str, int] = {}
-        # Worker: the blocks of each receive this rank was given, and the failed ones' blocks.
-        self._recv_blocks: dict[str, tuple[int, ...]] = {}
-        self._load_errors: set[int] = set()
+        # What this connector owes vLLM about each request is a machine on its own bus:
+        # `vllm.owed_report` on the scheduler role, `vllm.rank_receive` on a worker role.
+        self.owed = EventBus()
         if role == KVConnectorRole.SCHEDULER:
+            self.owed.register(VLLM_OWED_REPORT)
             self.scheduler = PushScheduler(
                 self.push_role, self.engine, self.config, "push", now=clock()
             )
+            self.scheduler.bus.on_retire(self._on_push_retired)
+        else:
+            self.owed.register(VLLM_RANK_RECEIVE)
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -148,16 +220,18 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """D: register the blocks it lacks for P's push (R-P02, R-T05). vLLM calls this again
         with 0 external tokens once the load is done: nothing to do then, nor on P."""
+        if num_external_tokens <= 0 or self.push_role != "decode":
+            return
         sched = self._sched()
-        if self.push_role != "decode" or num_external_tokens <= 0:
+        raw = request.kv_transfer_params
+        if not raw or not raw.get("do_remote_prefill"):
             return
-        params = kvhandoff_params(request.kv_transfer_params)
-        if not params or not params.get("do_remote_prefill"):
-            return
+        params = kvhandoff_params(raw)
         block_ids: list[int] = list(blocks.get_unhashed_block_ids())
-        sched.update_state_after_alloc(request.request_id, block_ids, params, self.clock())
+        now = self.clock()
+        sched.update_state_after_alloc(request.request_id, block_ids, params, now)
         if block_ids:
-            self._awaiting_recv.add(request.request_id)
+            self._owe(request.request_id, "recv", now)
             # Asked once: a request vLLM reschedules (recompute after a failed load) is
             # computed locally, as vLLM's own connectors do.
             request.kv_transfer_params["do_remote_prefill"] = False
@@ -174,19 +248,26 @@ class KVHandoffConnector(KVConnectorBase_V1):
         sched = self._sched()
         normally = getattr(request.status, "name", "") in _FINISHED_NORMALLY
         if self.push_role != "prefill":
-            if not normally and request.request_id in self._awaiting_recv:
+            if not normally and self.owed.has_tag(
+                VLLM_OWED_REPORT, request.request_id, "engine_waiting"
+            ):
                 self._end_receive(sched, request.request_id)
             return False, None
+        now = self.clock()
         delay, params = sched.request_finished(
             request.request_id,
             block_ids,
             kvhandoff_params(request.kv_transfer_params),
-            self.clock(),
+            now,
             finished_normally=normally,
         )
         if delay:
-            self._leased.add(request.request_id)
+            self._owe(request.request_id, "send", now)
         return delay, params
+
+    def _owe(self, request_id: str, direction: Direction, now: float) -> None:
+        """vLLM now waits to hear about `request_id` once."""
+        self.owed.create(VLLM_OWED_REPORT, OwedReportCtx(request_id, direction), now)
 
     def _end_receive(self, sched: PushScheduler, request_id: str) -> None:
         """vLLM ended a request it holds in WAITING_FOR_REMOTE_KVS and keeps its blocks
@@ -194,11 +275,19 @@ class KVHandoffConnector(KVConnectorBase_V1):
         has dropped it (or at once if no rank still holds it: its watchdog already ended
         it) the connector tells vLLM, which frees the blocks. A receive the ranks are
         still reporting (a pull READ in flight) reaches vLLM the usual way."""
-        sched.abort(request_id, self.clock())
+        now = self.clock()
+        sched.abort(request_id, now)
         if sched.bus.has_tag(D_REQUEST, request_id, "ending"):
-            self._ending.add(request_id)
+            self.owed.dispatch(VLLM_OWED_REPORT, request_id, EngineEndedDropping(), now)
         elif not sched.bus.has_tag(D_REQUEST, request_id, "awaiting_ranks"):
-            self._released.add(request_id)
+            self.owed.dispatch(VLLM_OWED_REPORT, request_id, EngineEndedUnheld(), now)
+
+    def _on_push_retired(self, inst: Instance[Any]) -> None:
+        """A D request left kvhandoff's scheduler bus: if vLLM ended it, no rank holds it."""
+        if inst.machine.decl is D_REQUEST and self.owed.has_tag(
+            VLLM_OWED_REPORT, inst.key, "ending"
+        ):
+            self.owed.dispatch(VLLM_OWED_REPORT, inst.key, RanksDropped(), self._sched().bus.now)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Feed every rank's output to the scheduler's machines (R-T02), and pass vLLM
@@ -207,34 +296,52 @@ class KVHandoffConnector(KVConnectorBase_V1):
         late or repeated report is dropped here (counted in `dropped_reports`)."""
         meta = connector_output.kv_connector_worker_meta
         outputs = meta.outputs if isinstance(meta, KVHandoffWorkerMetadata) else ()
-        sched = self._sched()
-        sched.update_connector_output(outputs, self.clock())
-        let_go = {rid for rid in self._ending if not sched.bus.has_tag(D_REQUEST, rid, "ending")}
-        self._ending -= let_go
-        released, self._released = (self._released | let_go) & self._awaiting_recv, set()
-        reported = set(connector_output.finished_recving or ())
-        self._ending -= reported
-        connector_output.finished_recving = self._once(reported, self._awaiting_recv) | released
-        self._awaiting_recv -= released
+        now = self.clock()
+        self._sched().update_connector_output(outputs, now)
+        recving = self._once(connector_output.finished_recving, "recv", now)
+        for _inst, effect in self.owed.drain_outbox():
+            if isinstance(effect, TellEngine) and self.owed.has_tag(
+                VLLM_OWED_REPORT, effect.request_id, "due"
+            ):
+                self.owed.dispatch(VLLM_OWED_REPORT, effect.request_id, Told(), now)
+                recving.add(effect.request_id)
+        connector_output.finished_recving = recving
         connector_output.finished_sending = self._once(
-            set(connector_output.finished_sending or ()), self._leased
+            connector_output.finished_sending, "send", now
         )
 
-    def _once(self, reported: set[str], owed: set[str]) -> set[str]:
-        passed = reported & owed
-        owed -= passed
-        self.dropped_reports += len(reported) - len(passed)
+    def _once(self, reported: set[str] | None, direction: Direction, now: float) -> set[str]:
+        """The reported ids vLLM still waits for, each now told; the machine refuses the
+        rest (a second report, one after vLLM forgot the request), counted as dropped."""
+        passed: set[str] = set()
+        report = Reported(direction)
+        for request_id in reported or ():
+            try:
+                self.owed.dispatch(VLLM_OWED_REPORT, request_id, report, now)
+            except RemoteProtocolError:
+                continue
+            passed.add(request_id)
         return passed
+
+    @property
+    def dropped_reports(self) -> int:
+        """Reports kept from vLLM: repeated, late, or of a request vLLM no longer holds."""
+        if self.scheduler is None:
+            return 0
+        return self.owed.counters(VLLM_OWED_REPORT).rejected
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     def get_kv_connector_stats(self) -> KVHandoffConnectorStats | None:
         """Scheduler: the failures by cause the ranks reported since the last call (B-14),
-        and the stale or late reports kvhandoff and this connector dropped."""
+        and the stale or late reports kvhandoff and this connector dropped; None when no
+        count moved."""
         if self.scheduler is None:
             return None
         totals = {**self.scheduler.stats(), "dropped_reports": self.dropped_reports}
+        if totals == self._stats_seen:
+            return None
         delta = {name: count - self._stats_seen.get(name, 0) for name, count in totals.items()}
         self._stats_seen = totals
         return KVHandoffConnectorStats(data=delta)
@@ -248,20 +355,72 @@ class KVHandoffConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep the rank's KV tensors; the NIXL transport over them is attached as `rank`."""
+        """Build this rank over NIXL: one region per KV tensor (R-P15), its writer thread
+        and handshake executor; `get_handshake_metadata` then carries its payload."""
         self.kv_caches = dict(kv_caches)
+        if self.assembly is not None or not kv_caches:
+            return
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        first = next(iter(kv_caches.values()))
+        self.assembly = build_rank(
+            self.push_role,
+            self.engine.engine_id,
+            kv_regions(kv_caches, num_blocks),
+            self.config,
+            compat_factors(self._vllm_config),
+            tp_rank=_tp_rank(self._vllm_config),
+            mem="VRAM" if first.is_cuda else "DRAM",
+            clock=self.clock,
+        )
+        self.rank = self.assembly.rank
+
+    def get_handshake_metadata(self) -> KVHandoffHandshakeMetadata | None:
+        if self.assembly is None:
+            return None
+        return KVHandoffHandshakeMetadata(
+            self.assembly.handshake_payload(), self.assembly.rank.tp_rank
+        )
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Scheduler: serve every rank's payload on this engine's side channel, where peer
+        engines' ranks fetch it before a PUSH_REG or a WRITE (R-P05, R-P15)."""
+        payloads = [
+            meta.payload
+            for _rank, meta in sorted(metadata.items())
+            if isinstance(meta, KVHandoffHandshakeMetadata)
+        ]
+        if self.side_channel is not None:
+            self.side_channel.close()
+        self.side_channel = serve_handshakes(self.engine, payloads)
+
+    def shutdown(self) -> None:
+        if self.assembly is not None:
+            self.assembly.close()
+            self.assembly = None
+            self.rank = None
+        if self.side_channel is not None:
+            self.side_channel.close()
+            self.side_channel = None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Hand this step's registrations, finished blocks and heartbeats to the rank."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVHandoffConnectorMetadata)
         push = meta.push
+        now = self.clock()
         for request_id, registration in push.push_registrations.items():
-            self._recv_blocks[request_id] = tuple(registration.block_ids)
+            self._receive(request_id, registration.block_ids, now)
         for request_id, read in push.pull_reads.items():
-            self._recv_blocks[request_id] = tuple(read.block_ids)
+            self._receive(request_id, read.block_ids, now)
         if self.rank is not None:
             self.rank.start_load_kv(meta.push)
+
+    def _receive(self, request_id: str, block_ids: Sequence[int], now: float) -> None:
+        if self.owed.get(VLLM_RANK_RECEIVE, request_id) is None:
+            ctx = RankReceiveCtx(request_id, tuple(block_ids))
+            self.owed.create(VLLM_RANK_RECEIVE, ctx, now)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # push mode: P writes whole requests; D never loads per layer
@@ -294,17 +453,30 @@ class KVHandoffConnector(KVConnectorBase_V1):
         output = self.rank.get_finished()
         self._outputs.append(output)
         failed = set(output.failed_recving)
-        for request_id in failed:
-            self._load_errors.update(self._recv_blocks.get(request_id, ()))
-        for request_id in failed | set(output.finished_recving) | set(output.ended):
-            self._recv_blocks.pop(request_id, None)
+        now = self.clock()
+        self._end_receives(failed, ReceiveFailed(), now)
+        self._end_receives(failed | set(output.finished_recving), ReceiveEnded(), now)
+        self._end_receives(output.ended, ReceiveEnded(), now)
         results.finished_sending = set(output.finished_sending)
         results.finished_recving = set(output.finished_recving) | failed
         results.failed_recving = failed
         return results
 
+    def _end_receives(
+        self, request_ids: Iterable[str], event: ReceiveEnded | ReceiveFailed, now: float
+    ) -> None:
+        for request_id in request_ids:
+            if self.owed.has_tag(VLLM_RANK_RECEIVE, request_id, "receiving"):
+                self.owed.dispatch(VLLM_RANK_RECEIVE, request_id, event, now)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        """The blocks of every receive that failed since the last call, each once."""
+        errors: set[int] = set()
+        now = self.clock()
+        for _inst, effect in self.owed.drain_outbox():
+            if isinstance(effect, LoadErrorsOwed):
+                errors.update(effect.block_ids)
+                self.owed.dispatch(VLLM_RANK_RECEIVE, effect.request_id, LoadErrorsTaken(), now)
         return errors
 
     def build_connector_worker_meta(self) -> KVHandoffWorkerMetadata | None:

@@ -1,0 +1,142 @@
+"""The vLLM connector's NIXL edges (R-T01, R-P15): a worker rank built from the KV tensors
+vLLM registers, and the scheduler's side channel serving the ranks' handshake payloads.
+
+Every wire call of the vLLM integration lives here, so a change of the push wire
+(handshake payload, side channel) touches one file of the integration. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvhandoff.adapters.clock import real_clock
+from kvhandoff.adapters.nixl.agent import NixlAgent
+from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
+from kvhandoff.adapters.push_rank import PushRank
+from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
+from kvhandoff.adapters.zmq.side_channel import SideChannelServer
+from kvhandoff.machines.push.scheduler import LocalEngine, Role
+from kvhandoff.machines.runtime.clock import Clock
+from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.handshake import (
+    HANDSHAKE_PROTOCOL_VERSION,
+    EngineHandshake,
+    compatibility_hash,
+    decode_handshake,
+    encode_engine_handshake,
+    encode_handshake,
+)
+from kvhandoff.protocol.member_routing import LocalRegion
+from kvhandoff.protocol.push_config import PushConfig
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CompatFactors", "RankAssembly", "build_rank", "kv_regions", "serve_handshakes"]
+
+
+@dataclass(frozen=True, slots=True)
+class CompatFactors:
+    """What both engines must agree on before KV moves, from vLLM's config (the
+    connector passes them): engine version, model, KV dtype and the bytes of one
+    engine-wide KV block."""
+
+    engine_version: str
+    model: str
+    dtype: str
+    kv_block_len: int
+
+    def hash(self) -> str:
+        return compatibility_hash(self.engine_version, self.model, self.dtype, self.kv_block_len)
+
+
+def kv_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[LocalRegion]:
+    """One NIXL region per KV tensor (per K and V when a tensor splits them first): its
+    first dimension, or its second after a leading 2, counts blocks; every block is
+    contiguous (DRAM or VRAM, as the tensor lies)."""
+    regions: list[LocalRegion] = []
+    for name, tensor in kv_caches.items():
+        if not tensor.is_contiguous():
+            raise LocalProtocolError(f"KV tensor {name!r} is not contiguous")
+        if tensor.shape[0] == num_blocks:
+            parts = [(name, tensor)]
+        elif tensor.dim() > 1 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+            parts = [(f"{name}.k", tensor[0]), (f"{name}.v", tensor[1])]
+        else:
+            raise LocalProtocolError(
+                f"KV tensor {name!r} of shape {tuple(tensor.shape)} has no dimension of"
+                f" {num_blocks} blocks first"
+            )
+        for member, part in parts:
+            block_len = part.numel() * part.element_size() // num_blocks
+            regions.append(LocalRegion(int(part.data_ptr()), (member,), block_len, num_blocks))
+    return regions
+
+
+@dataclass
+class RankAssembly:
+    """One worker rank over NIXL and what it started; `close` stops it all."""
+
+    rank: PushRank
+    agent: NixlAgent
+    transport: NixlPushTransport
+    writer: PushWriterThread
+    executor: HandshakeExecutor
+
+    def handshake_payload(self) -> bytes:
+        return encode_handshake(self.transport.handshake_payload())
+
+    def close(self) -> None:
+        self.writer.stop()
+        self.executor.shutdown()
+        self.agent.close()
+
+
+def build_rank(
+    role: Role,
+    engine_id: str,
+    regions: Sequence[LocalRegion],
+    config: PushConfig,
+    factors: CompatFactors,
+    *,
+    tp_rank: int = 0,
+    mem: str = "DRAM",
+    clock: Clock = real_clock,
+) -> RankAssembly:
+    """A `PushRank` over a NIXL agent of its own whose regions are the rank's KV tensors,
+    its writer thread and handshake executor started."""
+    agent = NixlAgent(f"{engine_id}-r{tp_rank}-{secrets.token_hex(4)}", config.nixl_backend)
+    try:
+        transport = NixlPushTransport(
+            engine_id,
+            agent,
+            regions,
+            compatibility_hash=factors.hash(),
+            tp_size=config.tp_size,
+            tp_rank=tp_rank,
+            is_decoder=role == "decode",
+            mem=mem,
+        )
+        executor = HandshakeExecutor()
+        rank = PushRank(
+            role, engine_id, transport, executor.submit, config=config, clock=clock, rank=tp_rank
+        )
+    except BaseException:
+        agent.close()
+        raise
+    writer = PushWriterThread(rank).start()
+    return RankAssembly(rank, agent, transport, writer, executor)
+
+
+def serve_handshakes(engine: LocalEngine, payloads: Sequence[bytes]) -> SideChannelServer:
+    """The engine's side channel, serving every rank's payload (global rank order)."""
+    ranks = tuple(decode_handshake(payload) for payload in payloads)
+    served = encode_engine_handshake(
+        EngineHandshake(
+            protocol_version=HANDSHAKE_PROTOCOL_VERSION, engine_id=engine.engine_id, ranks=ranks
+        )
+    )
+    return SideChannelServer(engine.host, engine.port, lambda: served)
