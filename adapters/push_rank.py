@@ -201,7 +201,10 @@ class PushRank(RankWriterSide):
         failed = tuple(rank for rank, state in states if state == "ERR")
         self.failed_transfers += len(failed)
         if self.mode == "push":
-            outcome: Event = WriteError(failed) if failed else WriteDone()
+            # B-13, B-14: a batched transfer that failed to post fails its requests here.
+            unposted = any(getattr(handle, "post_failed", False) for _rank, handle in handles)
+            cause = "post" if unposted else "transfer_error"
+            outcome: Event = WriteError(failed, cause) if failed else WriteDone()
         else:
             outcome = ReadError() if failed else ReadDone()
         # Run from the poll's own transition: the bus queues it behind that one.

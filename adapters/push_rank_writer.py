@@ -6,7 +6,8 @@ B-08, B-10, S-04, S-05).
 transport, the writer core, the hand-offs). All of it runs on the writer thread, except
 the handshake job, which runs on the handshake executor and only posts its result and
 wakes the writer (R-P05). Effects are executed after each input, in order, so nothing a
-later input changes (a revoked lease) can overtake an earlier one's WRITE.
+later input changes (a revoked lease) can overtake an earlier one's WRITE. The WRITEs a
+pass issued are posted together at its end, one transfer per D rank (B-13).
 """
 
 from __future__ import annotations
@@ -128,7 +129,20 @@ class RankWriterSide:
             handled += 1
         writer.advance(now)  # pending registrations, tombstones, handshakes, idle engines
         self._execute(now)
+        self._flush_writes(now)
         return handled
+
+    def _flush_writes(self, now: float) -> None:
+        """B-13: the WRITEs this pass issued leave as one transfer per D rank. A batch that
+        fails to post fails each of its requests through its handle (B-10); a peer found
+        gone is forgotten (B-08)."""
+        errors = self.transport.flush_writes()
+        for engine_id, exc in errors:
+            log.warning("batched WRITE to %s failed to post: %s", engine_id, exc)
+            self._forget_if_gone(engine_id, exc, now)
+        if errors:
+            self._execute(now)
+            self.transport.flush_writes()
 
     def _execute(self, now: float) -> None:
         for effect in self.writer.take_effects():

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
@@ -125,7 +126,15 @@ class PushTransport(Protocol):
         remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
         """WRITE `local_chunk` of local physical blocks into `remote_chunk` of the remote
-        rank's, in every routed region."""
+        rank's, in every routed region; `notif` reaches the peer after the bytes landed.
+        A transport may queue it until `flush_writes` (B-13)."""
+        ...
+
+    def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
+        """B-13: post the WRITEs `write_blocks` queued since the last flush, one transfer
+        per remote rank; a handle's `poll` says "PROC" until its WRITE was flushed. Returns
+        (engine id, error) for each transfer that failed to post (its handles poll "ERR").
+        The writer thread flushes at the end of every writer pass."""
         ...
 
     def read_blocks(

@@ -139,6 +139,11 @@ class BenchSide:
             "failed_transfers": self.side.failed_transfers,
             "writer_errors": errors,
         }
+        batcher = getattr(getattr(self.transport, "inner", self.transport), "batcher", None)
+        if batcher is not None:  # B-13: NIXL transfers posted, request WRITEs they carried
+            counters.update(
+                nixl_batches=batcher.batches_posted, nixl_batched_writes=batcher.writes_batched
+            )
         stats = getattr(self.transport, "stats", None)
         if stats is not None:
             counters.update(

@@ -74,6 +74,9 @@ class StubNixl:
         )
         return StubHandle(notif)
 
+    def flush_writes(self) -> list[tuple[str, Exception]]:
+        return []
+
     def poll(self, handle: StubHandle) -> str:
         return "DONE"
 

@@ -96,14 +96,18 @@ def test_kill_prefill_after_registration_then_restart() -> None:
 
 
 def test_R_P10_B08_kill_prefill_mid_write_then_restart() -> None:
-    """kill -9 P while its WRITEs stream into D: P posts every request's WRITE at once and
-    is killed as the first completions land, so later WRITEs are in flight or unposted.
+    """kill -9 P while its WRITEs stream into D: P finishes two requests per 50 ms step
+    (its WRITEs leave as one batched transfer per writer pass, B-13, so they must be
+    spread over steps to stream) and is killed as the first completions land, so later
+    WRITEs are in flight or unposted.
     Every registration resolves: received with P's bytes, failed with a reason, or dropped
     by its watchdog (R-P10); nothing stays pending, and a new P pushes again (B-08)."""
     config = PushConfig(push_registration_timeout=3.0, heartbeat_interval=0.3)
     n = 24
     with LivePushInstance("decode", "decode-0", shape=SHAPE, config=config) as d:
-        doomed = child("prefill", "--seed", "21", "--requests", str(n), "--per-step", "100")
+        doomed = child(
+            "prefill", "--seed", "21", "--requests", str(n), "--per-step", "2", "--step-ms", "50"
+        )
         blocks = _register(d, _port_of(doomed), demo_requests(n, 21))
         received: dict[str, bool] = {}
         failed: dict[str, str] = {}

@@ -308,6 +308,7 @@ def test_R_P06_write_blocks_lands_bytes_by_member_then_the_completion_notif(
     for block in (1, 2):
         a.fill(block, seed=7)
     handle = a.transport.write_blocks(b.transport.engine_id, 0, [1, 2], [5, 6], b"req-7-0:1")
+    assert a.transport.flush_writes() == []  # B-13: WRITEs leave at the flush
     assert done(pair, a, handle) == "DONE"
     got = notifs_until(pair, b, 1)
     assert got == [(a.transport.handshake_payload().agent_name, b"req-7-0:1")]
@@ -359,3 +360,154 @@ def test_R_P06_block_ids_out_of_range_are_local_errors(pair: Harness) -> None:
         a.transport.write_blocks(engine_b, 0, [0], [BLOCKS], b"x:1")
     with pytest.raises(LocalProtocolError):
         a.transport.write_blocks(engine_b, 0, [BLOCKS], [0], b"x:1")
+
+
+# -- B-13: batched WRITEs ----------------------------------------------------------------------
+
+
+def test_B_13_the_writes_of_one_flush_land_then_one_notif_per_request(pair: Harness) -> None:
+    """N requests queued for one D rank, one flush: every request's bytes land and D gets
+    one completion notif per request, in the same form, from P's agent (D unchanged). The
+    real transport posts them as ONE NIXL transfer."""
+    a, b = pair.a, pair.b
+    batcher = getattr(a.transport, "batcher", None)
+    before = (0, 0) if batcher is None else (batcher.batches_posted, batcher.writes_batched)
+    notifs = [f"req-b13-{i}:1".encode() for i in range(3)]
+    for block in (0, 1, 2, 3):
+        a.fill(block, seed=13)
+    handles = [
+        a.transport.write_blocks(b.transport.engine_id, 0, local, remote, notif)
+        for local, remote, notif in zip(([0], [1, 2], [3]), ([7], [5, 6], [4]), notifs, strict=True)
+    ]
+    if batcher is not None:
+        assert [a.transport.poll(h) for h in handles] == ["PROC"] * 3, "queued until the flush"
+    assert a.transport.flush_writes() == []
+    assert [done(pair, a, h) for h in handles] == ["DONE"] * 3
+    got = notifs_until(pair, b, 3)
+    sender = a.transport.handshake_payload().agent_name
+    assert sorted(got) == sorted((sender, n) for n in notifs)
+    for member in MEMBERS_A:
+        for src, dst in ((0, 7), (1, 5), (2, 6), (3, 4)):
+            assert b.member_block(member, dst) == a.member_block(member, src)
+    if batcher is not None:
+        after = (batcher.batches_posted, batcher.writes_batched)
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 3), "one transfer for three"
+    for handle in handles:
+        a.transport.release(handle)
+    assert b.transport.get_new_notifs() == [], "no notif of the batch itself"
+
+
+def _nixl_only(pair: Harness) -> Any:
+    if pair.kind != "nixl":
+        pytest.skip("batching is the NIXL transport's (the simulator posts each WRITE)")
+    return pair.a.transport
+
+
+def test_B_13_completion_notifs_leave_only_after_the_batch_completed(
+    pair: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = _nixl_only(pair)
+    agent = transport.agent
+    posted: list[Any] = []
+    sent: list[tuple[bytes, str]] = []
+    real_write, real_send = agent.write, agent.send_notif
+
+    def write(*args: Any) -> Any:
+        posted.append(real_write(*args))
+        return posted[-1]
+
+    def send_notif(name: str, msg: bytes) -> None:
+        sent.append((msg, posted[-1].xfer_status))
+        real_send(name, msg)
+
+    monkeypatch.setattr(agent, "write", write)
+    monkeypatch.setattr(agent, "send_notif", send_notif)
+    engine_b = pair.b.transport.engine_id
+    handles = [
+        transport.write_blocks(engine_b, 0, [i], [i], f"req-n{i}:1".encode()) for i in (1, 2)
+    ]
+    assert transport.flush_writes() == []
+    assert len(posted) == 1 and posted[0].notif == b"", "one transfer, no notif attached"
+    assert [done(pair, pair.a, h) for h in handles] == ["DONE", "DONE"]
+    assert sent == [(b"req-n1:1", "DONE"), (b"req-n2:1", "DONE")], "sent after completion"
+    assert len(notifs_until(pair, pair.b, 2)) == 2
+    for handle in handles:
+        transport.release(handle)
+
+
+def test_B_13_a_batch_that_fails_to_post_fails_every_request_in_it(
+    pair: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvhandoff.adapters.nixl.errors import NixlTransferError
+
+    transport = _nixl_only(pair)
+
+    def refuse(*_args: Any) -> Any:
+        raise NixlTransferError("write", "injected post failure")
+
+    monkeypatch.setattr(transport.agent, "write", refuse)
+    engine_b = pair.b.transport.engine_id
+    handles = [
+        transport.write_blocks(engine_b, 0, [i], [i], f"req-f{i}:1".encode()) for i in (1, 2, 3)
+    ]
+    ((engine, error),) = transport.flush_writes()
+    assert engine == engine_b and "injected post failure" in str(error)
+    assert [transport.poll(h) for h in handles] == ["ERR"] * 3
+    for handle in handles:
+        transport.release(handle)
+
+
+def test_B_13_a_batch_completing_in_error_fails_every_request_and_sends_no_notif(
+    pair: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = _nixl_only(pair)
+    agent = transport.agent
+    sent: list[bytes] = []
+    monkeypatch.setattr(agent, "send_notif", lambda _name, msg: sent.append(msg))
+    engine_b = pair.b.transport.engine_id
+    handles = [
+        transport.write_blocks(engine_b, 0, [i], [i], f"req-e{i}:1".encode()) for i in (1, 2)
+    ]
+    assert transport.flush_writes() == []
+    batch = handles[0].batch
+    assert batch is handles[1].batch
+    wait_for(pair, lambda: agent.poll(batch.handle) != "PROC" or None, "the batch")
+    batch.handle.xfer_status = "ERR"  # as a failed transfer leaves it
+    assert [transport.poll(h) for h in handles] == ["ERR", "ERR"]
+    assert sent == []
+    for handle in handles:
+        transport.release(handle)
+
+
+def test_B_13_releasing_a_request_before_the_flush_never_posts_it(pair: Harness) -> None:
+    transport = _nixl_only(pair)
+    engine_b = pair.b.transport.engine_id
+    dropped = transport.write_blocks(engine_b, 0, [1], [1], b"req-r1:1")
+    kept = transport.write_blocks(engine_b, 0, [2], [2], b"req-r2:1")
+    transport.release(dropped)
+    before = transport.batcher.writes_batched
+    assert transport.flush_writes() == []
+    assert transport.batcher.writes_batched - before == 1
+    assert done(pair, pair.a, kept) == "DONE"
+    assert [m for _s, m in notifs_until(pair, pair.b, 1)] == [b"req-r2:1"]
+    transport.release(kept)
+
+
+def test_B_13_releasing_a_request_in_flight_cancels_its_whole_batch(
+    pair: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timed-out request's release cancels the shared transfer (nothing lands after P
+    gave up on it); the batch's other requests fail, as their WRITE would have."""
+    transport = _nixl_only(pair)
+    agent = transport.agent
+    engine_b = pair.b.transport.engine_id
+    handles = [
+        transport.write_blocks(engine_b, 0, [i], [i], f"req-c{i}:1".encode()) for i in (1, 2)
+    ]
+    assert transport.flush_writes() == []
+    batch = handles[0].batch
+    monkeypatch.setattr(agent, "poll", lambda _handle: "PROC")  # still in flight
+    transport.release(handles[0])
+    assert batch.handle.released, "the batch's NIXL transfer was released (cancelled)"
+    assert transport.poll(handles[1]) == "ERR"
+    transport.release(handles[1])

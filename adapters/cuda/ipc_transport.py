@@ -343,6 +343,11 @@ class IpcPushTransport:
             if handle in queued:
                 queued.remove(handle)  # never launched: it never lands
 
+    def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
+        """End of a writer pass: post the WRITEs queued on NIXL, one transfer per D rank
+        (B-13). Queued IPC WRITEs still launch at the next `poll` or `get_new_notifs`."""
+        return self.inner.flush_writes()
+
     def flush(self) -> None:
         """Launch what is queued and send the notifs of finished launches."""
         with self._lock:

@@ -7,9 +7,11 @@ agent of every rank of a remote engine, and for each rank this one moves data wi
 routes that rank's regions by member and prepares its descriptor list once, cut into the
 chunks the TP mapping asks for (a P rank whose TP is smaller than D's writes each D rank
 one chunk of its block; a larger one writes its whole block as one chunk of D's, R-T03).
-Every WRITE then addresses (block, chunk) pairs by descriptor index. The engine's side
-channel (one per engine, `kvhandoff.adapters.zmq.side_channel`) serves the ranks'
-payloads; this class only builds its own (`handshake_payload`).
+Every WRITE then addresses (block, chunk) pairs by descriptor index; `write_blocks` queues
+it and `flush_writes` (the end of a writer pass) posts one transfer per D rank for all
+that was queued, completion notifs following once it is DONE (B-13, `push_batch.py`).
+The engine's side channel (one per engine, `kvhandoff.adapters.zmq.side_channel`) serves
+the ranks' payloads; this class only builds its own (`handshake_payload`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvhandoff.adapters.nixl.agent import NixlAgent, PreppedBlocks, XferHandle
+from kvhandoff.adapters.nixl.push_batch import BatchedWrite, WriteBatcher
 from kvhandoff.adapters.push_transport import (
     EngineInfo,
     RankInfo,
@@ -28,7 +31,7 @@ from kvhandoff.adapters.push_transport import (
     XferState,
 )
 from kvhandoff.adapters.zmq.side_channel import fetch_rank_handshakes
-from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     EngineHandshake,
@@ -131,6 +134,7 @@ class NixlPushTransport:
         self._local: dict[int, PreppedBlocks] = {1: self._prep_local(1)}
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, tuple[str, int]] = {}
+        self.batcher = WriteBatcher(agent)
 
     @property
     def agent_name(self) -> str:
@@ -317,7 +321,13 @@ class NixlPushTransport:
         local, local_idx, data, remote_idx = self._indices(
             engine_id, rank, local_block_ids, remote_block_ids, local_chunk, remote_chunk
         )
-        return self.agent.write(local, local_idx, data.prepped, remote_idx, notif)
+        # B-13: queued; `flush_writes` posts one transfer per D rank (`push_batch`).
+        write = BatchedWrite(engine_id, rank, local, local_idx, data.prepped, remote_idx, notif)
+        return self.batcher.queue(write)
+
+    def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
+        """Post the WRITEs queued since the last flush, one transfer per D rank (B-13)."""
+        return self.batcher.flush()
 
     def read_blocks(
         self,
@@ -333,10 +343,15 @@ class NixlPushTransport:
         return self.agent.read(local, local_idx, data.prepped, remote_idx, notif)
 
     def poll(self, handle: TransferHandle) -> XferState:
+        if isinstance(handle, BatchedWrite):
+            return self.batcher.poll(handle)
         assert isinstance(handle, XferHandle)
         return self.agent.poll(handle)
 
     def release(self, handle: TransferHandle) -> None:
+        if isinstance(handle, BatchedWrite):
+            self.batcher.release(handle)
+            return
         assert isinstance(handle, XferHandle)
         self.agent.release(handle)
 

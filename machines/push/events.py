@@ -211,9 +211,11 @@ class WriteDone(Event):
 
 @dataclass(frozen=True, slots=True)
 class WriteError(Event):
-    """The request's WRITEs ended, at least one in error: those into `failed_ranks`."""
+    """The request's WRITEs ended, at least one in error: those into `failed_ranks`.
+    `cause` (B-14) is "post" when the batched transfer carrying it failed to post (B-13)."""
 
     failed_ranks: tuple[int, ...] = ()
+    cause: str = "transfer_error"
 
 
 @dataclass(frozen=True, slots=True)

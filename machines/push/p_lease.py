@@ -126,10 +126,11 @@ def free_unposted(ctx: PLeaseCtx, event: WriteSubmitFailed) -> list[Effect]:
 
 def free_failed(ctx: PLeaseCtx, event: WriteError) -> list[Effect]:
     # B-10: every WRITE ended, one in error: free at once and tell D.
+    reason = "WRITE failed to post" if event.cause == "post" else "WRITE ended in error"
     return [
         ReportFinishedSending(ctx.key),
-        ReportWriteError(ctx.key, "WRITE ended in error", event.failed_ranks),
-        CountFailure("transfer_error"),
+        ReportWriteError(ctx.key, reason, event.failed_ranks),
+        CountFailure(event.cause),
     ]
 
 

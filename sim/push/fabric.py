@@ -70,6 +70,12 @@ class SimTransfer:
     xfer_status: XferState = "PROC"
     released: bool = False
     fail_on_delivery: bool = False
+    members: tuple[SimTransfer, ...] = ()
+    """B-13: the requests' WRITEs a batched transfer carries (`batch.py`)."""
+    batch: SimTransfer | None = None
+    post_failed: bool = False
+    """B-13: the batched transfer that was to carry it failed to post."""
+    """B-13: the batched transfer that carries this request's WRITE, once flushed."""
 
 
 @dataclass(eq=False, slots=True)
@@ -263,7 +269,8 @@ class SimNetwork:
         if self.roll("write_stall"):
             delay += self.rng.uniform(*self.stall_s)
         if self.observer is not None and what == "WRITE":
-            self.observer.write_posted(transfer)
+            for write in transfer.members or (transfer,):
+                self.observer.write_posted(write)
         self._enqueue(
             SimMessage(
                 next(self._seq),
@@ -393,7 +400,8 @@ class SimNetwork:
         _land(src, dst, transfer, partial=False)
         transfer.xfer_status = "DONE"
         if self.observer is not None and transfer.op == "WRITE":
-            self.observer.write_landed(transfer)
+            for write in transfer.members or (transfer,):
+                self.observer.write_landed(write)
         if transfer.notif:
             self._enqueue(
                 SimMessage(

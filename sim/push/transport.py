@@ -31,7 +31,7 @@ from kvhandoff.adapters.push_transport import (
     TransferHandle,
     XferState,
 )
-from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
+from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
     EngineHandshake,
@@ -47,6 +47,7 @@ from kvhandoff.protocol.member_routing import (
     derive_member_major_layout,
 )
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
+from kvhandoff.sim.push.batch import SimWriteBatcher
 from kvhandoff.sim.push.errors import SimTransportError
 from kvhandoff.sim.push.fabric import SimNetwork, SimTransfer
 
@@ -111,6 +112,7 @@ class SimPushTransport:
         self.inbox: deque[tuple[str, bytes]] = deque()
         self._peers: dict[str, _SimPeer] = {}
         self._agents: dict[str, tuple[str, int]] = {}
+        self.batcher = SimWriteBatcher(self)
         network.attach(self)
 
     # -- the handshake (R-P15, R-P14) -------------------------------------------------
@@ -232,7 +234,7 @@ class SimPushTransport:
         local_chunk: Chunk = WHOLE,
         remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
-        return self._transfer(
+        write = self._transfer(
             "WRITE",
             engine_id,
             rank,
@@ -241,7 +243,13 @@ class SimPushTransport:
             notif,
             local_chunk,
             remote_chunk,
+            post=False,
         )
+        return self.batcher.queue(write)  # B-13: posted by `flush_writes`
+
+    def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
+        """B-13: one transfer per D agent for the WRITEs queued since the last flush."""
+        return self.batcher.flush()
 
     def read_blocks(
         self,
@@ -265,6 +273,8 @@ class SimPushTransport:
         notif: bytes,
         local_chunk: Chunk,
         remote_chunk: Chunk,
+        *,
+        post: bool = True,
     ) -> SimTransfer:
         peer = self._peer(engine_id)
         data = peer.data.get(rank)
@@ -295,16 +305,22 @@ class SimPushTransport:
             local_chunk=local_chunk,
             remote_chunk=remote_chunk,
         )
-        self.network.post_transfer(transfer)
+        if post:
+            self.network.post_transfer(transfer)
         return transfer
 
     def poll(self, handle: TransferHandle) -> XferState:
         assert isinstance(handle, SimTransfer)
+        if handle.op == "WRITE":
+            return self.batcher.poll(handle)
         return handle.xfer_status
 
     def release(self, handle: TransferHandle) -> None:
         """Free a handle; one still in flight is cancelled (its data never lands)."""
         assert isinstance(handle, SimTransfer)
+        if handle.op == "WRITE":
+            self.batcher.release(handle)
+            return
         if handle.released:
             return
         if handle.xfer_status == "PROC":
