@@ -13,6 +13,7 @@ name it, and a stock vLLM P matches heartbeat ids exactly (a stock vLLM D requir
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +61,22 @@ def decode_leg(request: dict[str, Any], prefill: PrefillCoordinates) -> dict[str
     return leg
 
 
-def push_decode_params(prefill: PrefillCoordinates, block_ids: list[int]) -> dict[str, Any]:
+def push_decode_params(
+    prefill: PrefillCoordinates, block_ids: Sequence[int], request_id: str = ""
+) -> dict[str, Any]:
     """What P's request_finished returns in push mode (as a stock vLLM P does): the
-    decode leg's params, with P's request id and blocks (D does not need the blocks)."""
-    return {
-        **_coordinates(prefill),
-        "remote_block_ids": [list(block_ids)],  # one list per KV cache group, as vLLM's
-        "transfer_mode": "push",
-    }
+    decode leg's params, with P's request id and blocks (D does not need the blocks).
+    A non-empty `request_id` is P's id for the request in place of `prefill.request_id`
+    (so a scheduler builds its own coordinates once)."""
+    params = _coordinates(prefill)
+    if request_id:
+        params["remote_request_id"] = request_id
+    params["remote_block_ids"] = [list(block_ids)]  # one list per KV cache group, as vLLM's
+    params["transfer_mode"] = "push"
+    return params
 
 
-def _size(params: dict[str, Any], name: str, old: str) -> int:
+def _size(params: Mapping[str, Any], name: str, old: str) -> int:
     """A size under vLLM's name or kvhandoff's older one; both present must agree."""
     if name in params and old in params and params[name] != params[old]:
         raise RemoteProtocolError(
@@ -79,8 +85,9 @@ def _size(params: dict[str, Any], name: str, old: str) -> int:
     return int(params.get(name, params.get(old, 1)))
 
 
-def prefill_coordinates(params: dict[str, Any] | None) -> PrefillCoordinates:
-    """P's coordinates from a decode leg's kv_transfer_params (which came over the wire)."""
+def prefill_coordinates(params: Mapping[str, Any] | None) -> PrefillCoordinates:
+    """P's coordinates from a decode leg's kv_transfer_params (which came over the wire);
+    `params` is only read."""
     if not params or params.get("do_remote_prefill") is not True:
         raise RemoteProtocolError("decode leg lacks do_remote_prefill=True")
     try:
@@ -130,7 +137,7 @@ def pull_params(
     }
 
 
-def pull_source(params: dict[str, Any] | None, *, max_blocks: int = 65536) -> PullSource:
+def pull_source(params: Mapping[str, Any] | None, *, max_blocks: int = 65536) -> PullSource:
     """Validate a pull-mode decode leg's params (they came over the wire)."""
     prefill = prefill_coordinates(params)
     assert params is not None

@@ -185,6 +185,41 @@ def test_core_tags_answer_queries_and_unknown_tags_raise() -> None:
             query()
 
 
+@pytest.mark.parametrize("recording", [False, True])
+def test_core_watched_tags_answer_as_the_scan_does(recording: bool) -> None:
+    """A watched tag's members follow creation, guarded and plain routes, timeouts and
+    retirement, in creation order, as the scan over every live instance answers."""
+    watched, scanned = make_bus(), make_bus()
+    watched.watch(LEASE, "leased")
+    new(watched, "early")  # created before the watch of `in_flight` below: picked up
+    watched.watch(LEASE, "in_flight")
+    if recording:
+        watched.record(lambda _line: None)
+    new(scanned, "early")
+
+    def both(step: Any) -> None:
+        step(watched)
+        step(scanned)
+        for tag in ("leased", "in_flight"):
+            assert [i.key for i in watched.tagged(LEASE, tag)] == [
+                i.key for i in scanned.tagged(LEASE, tag)
+            ]
+
+    both(lambda bus: new(bus, "a", blocks=[1]))
+    both(lambda bus: new(bus, "b", blocks=[2]))
+    both(lambda bus: new(bus, "c"))
+    both(lambda bus: bus.dispatch(LEASE, "b", StartWrite(), 1.0))  # guarded: into writing
+    both(lambda bus: bus.dispatch(LEASE, "a", StartWrite(), 1.0))
+    assert [i.key for i in watched.tagged(LEASE, "in_flight")] == ["a", "b"]  # creation order
+    both(lambda bus: bus.dispatch(LEASE, "c", StartWrite(), 1.0))  # no blocks: dropped, final
+    both(lambda bus: bus.dispatch(LEASE, "b", WriteDone(), 2.0))  # final: retired
+    both(lambda bus: bus.fire_due(7.0))  # a's write timeout
+    assert [i.key for i in watched.tagged(LEASE, "leased")] == ["early"]
+    assert not watched.tagged(LEASE, "in_flight")
+    with pytest.raises(LocalProtocolError, match="declares no state tag"):
+        watched.watch(LEASE, "leasd")
+
+
 def test_core_run_to_completion_queues_self_events() -> None:
     bus = make_bus()
     new(bus, "r", blocks=[1])

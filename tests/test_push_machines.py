@@ -186,6 +186,10 @@ def test_R_P04_S_03_match_model() -> None:
     # late duplicate PUSH_REG of the served attempt meets the tombstone.
     walk = [*regs, BlocksArrived(p_id, (7, 8)), Issued(p_id), regs[0]]
     coverage.add(_walk(MATCH, {"p_tp": 1, "p_tp_rank": 0}, walk))
+    # A revoked lease of another attempt meets the matched slot: answered, slot kept. (The
+    # random search reaches this edge only sometimes, so the walk makes coverage certain.)
+    walk = [*regs, BlocksArrived(p_id, (7, 8)), Revoke("cmpl-1-0-0b0b0b0b"), Issued(p_id)]
+    coverage.add(_walk(MATCH, {"p_tp": 1, "p_tp_rank": 0}, walk))
     coverage.assert_complete()
 
 

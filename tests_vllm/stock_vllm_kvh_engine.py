@@ -221,7 +221,7 @@ class KvhandoffEngine:
         try:
             payload = self._answer("ready")
             engine = LocalEngine(engine_id, self.host, self.port)
-            self.side_channel = serve_handshakes(engine, [payload])
+            self.side_channel = serve_handshakes(engine, [payload], 1)
             self.scheduler = PushScheduler(
                 role,  # type: ignore[arg-type]
                 engine,

@@ -238,11 +238,11 @@ class WorkerProc:
         tp: int = 1,
         rank: int = 0,
     ) -> None:
-        import multiprocessing
+        from stock_vllm_common import worker_context
 
-        # fork: the child starts with vLLM and torch already imported (spawn re-imports
-        # them, tens of seconds on a busy host); it builds its own NIXL agent and sockets.
-        context = multiprocessing.get_context("fork")
+        # The tier's fork server (torch and vLLM preloaded once), never a plain fork: a
+        # test process that already ran NIXL/UCX or ZMQ threads cannot be forked safely.
+        context = worker_context()
         self.conn, child = context.Pipe()
         self.proc = context.Process(
             target=worker_process,

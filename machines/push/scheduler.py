@@ -77,6 +77,8 @@ Mode = Literal["push", "pull"]
 
 SCHEDULER_KINDS: tuple[Declaration[Any], ...] = (D_REQUEST, P_REQUEST)
 
+_DRAINED = Drained()  # events are frozen: one instance serves every request
+
 
 @dataclass(frozen=True, slots=True)
 class LocalEngine:
@@ -116,6 +118,8 @@ class PushScheduler:
         machine_config = self.config.machine_config()
         for kind in SCHEDULER_KINDS:
             self.bus.register(kind, machine_config)
+        # Asked every step (`ended` in the metadata) while few of the live requests carry it.
+        self.bus.watch(D_REQUEST, "ending")
         self.step = 0
         self.next_heartbeat = now + self.config.heartbeat_every
         self.stale_reports = 0
@@ -123,6 +127,13 @@ class PushScheduler:
         self._last_step: dict[int, int] = {}
         self._to_drain: list[str] = []
         self._output = PushConnectorOutput()
+        # This engine's coordinates as P hands them to D, built once.
+        self._here_pull = PrefillCoordinates(
+            engine.engine_id, engine.host, engine.port, self.config.tp_size
+        )
+        self._here_push = PrefillCoordinates(
+            engine.engine_id, engine.host, engine.port, self.config.tp_size, self.config.pp_size
+        )
         bus_ = self.bus
         bus_.handle(ReportFinishedRecving, self._on_finished_recving)
         bus_.handle(ReportFailedRecving, self._on_failed_recving)
@@ -149,7 +160,7 @@ class PushScheduler:
             return  # a full prefix hit on D: nothing to receive, nothing to register
         blocks = tuple(block_ids)
         if self.mode == "pull":
-            source = pull_source(dict(kv_transfer_params))
+            source = pull_source(kv_transfer_params)
             ctx = DRequestCtx(
                 request_id,
                 blocks,
@@ -159,8 +170,9 @@ class PushScheduler:
                 source=source,
             )
         else:
-            prefill = prefill_coordinates(dict(kv_transfer_params))
-            check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
+            prefill = prefill_coordinates(kv_transfer_params)
+            if prefill.tp_size != self.config.tp_size:  # equal positive sizes always map
+                check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
             ctx = DRequestCtx(
                 request_id,
                 blocks,
@@ -224,19 +236,8 @@ class PushScheduler:
         self.bus.create(P_REQUEST, PRequestCtx(request_id, blocks, ranks=self.world), now)
         self._to_drain.append(request_id)
         if self.mode == "pull":
-            here = PrefillCoordinates(
-                self.engine.engine_id, self.engine.host, self.engine.port, self.config.tp_size
-            )
-            return True, pull_params(here, request_id, list(blocks))
-        here = PrefillCoordinates(
-            self.engine.engine_id,
-            self.engine.host,
-            self.engine.port,
-            self.config.tp_size,
-            self.config.pp_size,
-            request_id,
-        )
-        return True, push_decode_params(here, list(blocks))
+            return True, pull_params(self._here_pull, request_id, list(blocks))
+        return True, push_decode_params(self._here_push, blocks, request_id)
 
     # -- every step --------------------------------------------------------------------
 
@@ -250,7 +251,7 @@ class PushScheduler:
         for request_id in self._to_drain:
             d = bus.get(d_kind, request_id)
             if d is not None and d.has("drainable"):
-                bus.dispatch(d_kind, request_id, Drained(), now)
+                bus.dispatch(d_kind, request_id, _DRAINED, now)
                 if d.ctx.registration is not None:
                     meta.push_registrations[request_id] = d.ctx.registration
                 elif d.ctx.source is not None:
@@ -258,7 +259,7 @@ class PushScheduler:
                 continue
             p = bus.get(p_kind, request_id)
             if p is not None and p.has("drainable"):
-                bus.dispatch(p_kind, request_id, Drained(), now)
+                bus.dispatch(p_kind, request_id, _DRAINED, now)
                 meta.push_finished_blocks[request_id] = p.ctx.block_ids
         self._to_drain.clear()
         if self.role == "decode":
@@ -323,9 +324,12 @@ class PushScheduler:
         event: Event,
         now: float,
     ) -> None:
+        kind.check_tag(tag)
+        bus = self.bus
         for request_id in request_ids:
-            if self.bus.has_tag(kind, request_id, tag):
-                self.bus.dispatch(kind, request_id, event, now)
+            inst = bus.get(kind, request_id)
+            if inst is not None and tag in inst.node.tags:
+                bus.dispatch(kind, request_id, event, now)
             else:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report
 

@@ -125,8 +125,9 @@ class EventBus(TimerQueues):
 
     def create(self, kind: Declaration[C], ctx: C, now: float) -> Instance[C]:
         """A new instance of `kind` for `ctx` (keyed by `ctx.key`) in its initial state."""
-        self.advance(now)
-        machine = self.machine(kind)
+        if now > self._now:
+            self.advance(now)
+        machine = self._machines.get(kind) or self.machine(kind)
         key: Hashable = ctx.key  # type: ignore[attr-defined]  # checked by the declaration
         index = machine.index
         if key in index:
@@ -134,8 +135,20 @@ class EventBus(TimerQueues):
         inst = Instance(machine, key, ctx, next(self._serials))
         index[key] = inst
         machine.created += 1
-        if machine.initial.timeout_seconds is not None:
-            self._arm(inst, machine.initial.timeout_seconds)
+        if machine.watched:
+            tags = inst.node.tags
+            for tag, members in machine.watched.items():
+                if tag in tags:
+                    members[key] = inst
+        queue = machine.initial.timer_queue  # `_arm`, inlined as in `dispatch`
+        if queue is not None:
+            deadline = self._now + machine.initial.timeout_seconds  # type: ignore[operator]
+            inst.timer = entry = (deadline, inst)
+            queue.append(entry)
+            if deadline < self._next_due:
+                self._next_due = deadline
+            if len(queue) > self._compact_at:
+                self._compact()
         if self._recorder is not None:
             self._recorder.created(self._now, inst)
         return inst
@@ -149,9 +162,19 @@ class EventBus(TimerQueues):
         return list(self.machine(kind).index.values())
 
     def tagged(self, kind: Declaration[C], tag: str) -> list[Instance[C]]:
-        """The live instances of `kind` whose state carries the declared `tag`."""
+        """The live instances of `kind` whose state carries the declared `tag`, in creation
+        order (a watched tag's members only, else one test per live instance)."""
         kind.check_tag(tag)
-        return [inst for inst in self.machine(kind).index.values() if tag in inst.node.tags]
+        machine = self.machine(kind)
+        members = machine.watched.get(tag)
+        if members is not None:
+            return sorted(members.values(), key=_serial)
+        return [inst for inst in machine.index.values() if tag in inst.node.tags]
+
+    def watch(self, kind: Declaration[Any], tag: str) -> None:
+        """Keep `tag`'s members as instances enter and leave it: `tagged(kind, tag)` then
+        costs what it returns. Only routes that change membership leave the fast path."""
+        self.machine(kind).watch(tag)
 
     def has_tag(self, kind: Declaration[C], key: Hashable, tag: str) -> bool:
         """Whether (kind, key) is live and its state carries the declared `tag`."""
@@ -259,6 +282,11 @@ class EventBus(TimerQueues):
         dest = route.dest
         if dest is not None:
             inst.node = dest
+            for members, entering in route.watch:
+                if entering:
+                    members[inst.key] = inst
+                else:
+                    members.pop(inst.key, None)
             if not route.keeps_timer:
                 if inst.timer is not None:
                     self._cancel(inst, inst.timer)
@@ -347,6 +375,8 @@ class EventBus(TimerQueues):
         if index.get(inst.key) is not inst:
             return
         del index[inst.key]
+        for members in inst.machine.watched.values():
+            members.pop(inst.key, None)
         if inst.timer is not None:
             self._cancel(inst, inst.timer)
         inst.machine.retired += 1
@@ -458,6 +488,10 @@ class EventBus(TimerQueues):
 
     def kinds(self) -> list[str]:
         return sorted(self._by_name)
+
+
+def _serial(inst: Instance[Any]) -> int:
+    return inst.serial
 
 
 def _log_error(inst: Instance[Any], event: Event, exc: BaseException) -> None:

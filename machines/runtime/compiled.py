@@ -82,6 +82,7 @@ class Route:
         "seconds",
         "source",
         "taken",
+        "watch",
     )
 
     def __init__(
@@ -102,6 +103,9 @@ class Route:
         self.alternatives: tuple[tuple[tuple[Guard, ...], tuple[Guard, ...], Route], ...] = ()
         # A plain route changes state and timers only: the bus runs it on its fast path.
         self.plain = False
+        # `(members, entering)` for each watched tag this route enters or leaves (see
+        # `CompiledMachine.watch`); such a route takes the bus's general step.
+        self.watch: tuple[tuple[dict[Hashable, Instance[Any]], bool], ...] = ()
         # Between two states declaring an equal timeout, the armed deadline carries over
         # (one watchdog or lease spanning several states).
         self.keeps_timer = (
@@ -109,10 +113,19 @@ class Route:
         )
 
     def choose(self, ctx: object, event: Event) -> Route | None:
-        """The first guarded alternative whose conditions hold and `unless` guards do not."""
+        """The first guarded alternative whose conditions hold and `unless` guards do not
+        (guards run in order and stop at the first that decides; plain loops, no
+        generator per call: this runs once per guarded event)."""
         for conditions, unless, route in self.alternatives:
-            if all(g(ctx, event) for g in conditions) and not any(g(ctx, event) for g in unless):
-                return route
+            for guard in conditions:
+                if not guard(ctx, event):
+                    break
+            else:
+                for guard in unless:
+                    if guard(ctx, event):
+                        break
+                else:
+                    return route
         return None
 
 
@@ -163,6 +176,10 @@ class CompiledMachine(Generic[C]):
         }
         self.initial = self.nodes[decl.initial_state]
         self.index: dict[Hashable, Instance[C]] = {}
+        # Watched tags: the live instances whose state carries the tag, kept up to date by
+        # the bus so `tagged` costs what it returns, not one test per live instance.
+        self.watched: dict[str, dict[Hashable, Instance[C]]] = {}
+        self._fast_enabled = True
         self.ignored_count = 0
         self.rejected_count = 0
         self.error_count = 0
@@ -210,8 +227,24 @@ class CompiledMachine(Generic[C]):
     def _guards(self, names: Iterable[str]) -> tuple[Guard, ...]:
         return tuple(self.decl.callbacks[name] for name in names)  # type: ignore[misc]
 
+    def watch(self, tag: str) -> dict[Hashable, Instance[C]]:
+        """Keep the set of live instances whose state carries `tag` (a declared tag) from
+        now on: the routes that enter or leave it update it, creation and retirement too."""
+        self.decl.check_tag(tag)
+        members = self.watched.get(tag)
+        if members is None:
+            members = {key: inst for key, inst in self.index.items() if tag in inst.node.tags}
+            self.watched[tag] = members
+            for route in self.routes:
+                dest = route.dest
+                if dest is not None and (tag in route.source.tags) != (tag in dest.tags):
+                    route.watch = (*route.watch, (members, tag in dest.tags))
+            self.set_fast_path(self._fast_enabled)
+        return members
+
     def set_fast_path(self, enabled: bool) -> None:
         """Let plain routes skip the general step (off while transitions are recorded)."""
+        self._fast_enabled = enabled
         for route in self.routes:
             dest = route.dest
             route.plain = (
@@ -220,6 +253,7 @@ class CompiledMachine(Generic[C]):
                 and route.action is None
                 and not dest.final
                 and not route.keeps_timer
+                and not route.watch
             )
         for node in self.nodes.values():
             node.fast = {event: route for event, route in node.on.items() if route.plain}

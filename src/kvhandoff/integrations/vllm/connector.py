@@ -10,32 +10,36 @@ and each rank's `PushWorkerOutput` in `KVHandoffWorkerMetadata`, both msgspec St
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.request import RequestStatus
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.integrations.vllm.nixl_rank import (
-    CompatFactors,
     RankAssembly,
     build_rank,
     kv_regions,
     serve_handshakes,
 )
-from kvhandoff.integrations.vllm.params import kvhandoff_params, push_role
+from kvhandoff.integrations.vllm.params import push_role
+from kvhandoff.integrations.vllm.records import (
+    KVHandoffConnectorMetadata,
+    KVHandoffConnectorStats,
+    KVHandoffHandshakeMetadata,
+    KVHandoffWorkerMetadata,
+)
 from kvhandoff.machines.push.d_request import D_REQUEST
-from kvhandoff.machines.push.meta import PushConnectorMeta, PushWorkerOutput
+from kvhandoff.machines.push.meta import PushWorkerOutput
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.clock import Clock
@@ -61,6 +65,7 @@ from kvhandoff.machines.vllm.rank_receive import (
 )
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.push_config import PushConfig
+from kvhandoff.protocol.vllm_compat import VllmCompatFactors
 
 if TYPE_CHECKING:
     import torch
@@ -68,55 +73,9 @@ if TYPE_CHECKING:
     from kvhandoff.adapters.zmq.side_channel import SideChannelServer
 
 # A request whose blocks finished normally keeps them leased for the push (vLLM 0.33).
-_FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-
-
-class KVHandoffConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> every worker, once a step: kvhandoff's msgspec payload, nothing live."""
-
-    def __init__(self, push: PushConnectorMeta) -> None:
-        self.push = push
-
-
-class KVHandoffWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once a step: every rank's output, concatenated by vLLM."""
-
-    def __init__(self, outputs: Sequence[PushWorkerOutput] = ()) -> None:
-        self.outputs = tuple(outputs)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVHandoffWorkerMetadata:
-        more = other.outputs if isinstance(other, KVHandoffWorkerMetadata) else ()
-        return KVHandoffWorkerMetadata(self.outputs + more)
-
-
-class KVHandoffHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler once, at start-up: the rank's encoded handshake payload (bytes),
-    which the scheduler's side channel serves to peer engines (R-P15)."""
-
-    def __init__(self, payload: bytes, tp_rank: int) -> None:
-        self.payload = payload
-        self.tp_rank = tp_rank
-
-
-@dataclass
-class KVHandoffConnectorStats(KVConnectorStats):
-    """kvhandoff's failures by cause (B-14) over one interval: `data` maps each cause in
-    `FAILURE_CAUSES`, `stale_reports` (kvhandoff ignored them) and `dropped_reports` (the
-    connector kept them from vLLM) to a count; ranks' and scheduler's counts add up."""
-
-    def reset(self) -> None:
-        self.data.clear()
-
-    def aggregate(self, other: KVConnectorStats) -> KVHandoffConnectorStats:
-        for name, count in other.data.items():
-            self.data[name] = int(self.data.get(name, 0)) + int(count)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: int(count) for name, count in self.data.items()}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
+_FINISHED_NORMALLY = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED}
+)
 
 
 def _config(vllm_config: Any) -> PushConfig:
@@ -141,18 +100,14 @@ def _engine(vllm_config: Any) -> LocalEngine:
     return LocalEngine(str(transfer.engine_id), host, port)
 
 
-def compat_factors(vllm_config: Any) -> CompatFactors:
-    """What P and D must share, read from vLLM's config (engine version, model, dtype,
-    block size in tokens)."""
-    import vllm
+def compat_factors(vllm_config: Any) -> VllmCompatFactors:
+    """What a peer engine hashes and compares before any KV moves, read from vLLM's config
+    exactly as vLLM 0.33's own NIXL connector reads it (C-01), so a stock vLLM peer and a
+    kvhandoff one agree; the attention backend is the one vLLM selected for this model."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-    model = vllm_config.model_config
-    return CompatFactors(
-        engine_version=f"vllm-{vllm.__version__}",
-        model=str(model.model),
-        dtype=str(model.dtype),
-        kv_block_len=int(vllm_config.cache_config.block_size),
-    )
+    backend = get_current_attn_backends(vllm_config)[0].get_name()
+    return VllmCompatFactors.from_vllm_config(vllm_config, str(backend), "push")
 
 
 def _tp_rank(vllm_config: Any) -> int:
@@ -165,8 +120,12 @@ def _tp_rank(vllm_config: Any) -> int:
     return int(parallel.rank) % int(parallel.tensor_parallel_size)
 
 
-class KVHandoffConnector(KVConnectorBase_V1):
-    """kvhandoff push mode as a vLLM KV connector (see the module docstring)."""
+class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvhandoff push mode as a vLLM KV connector (see the module docstring).
+
+    `SupportsHMA` as vLLM's own push connector is, so vLLM keeps its hybrid KV cache
+    manager on and both engines hash the same factors (C-01); kvhandoff transfers one KV
+    cache group, and a configuration with more is refused when the connector is built."""
 
     def __init__(
         self,
@@ -177,6 +136,12 @@ class KVHandoffConnector(KVConnectorBase_V1):
         clock: Clock = real_clock,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            raise ValueError(
+                f"KVHandoffConnector transfers one KV cache group; this model has {len(groups)}"
+                " (a hybrid model): use vLLM's NixlConnector for it"
+            )
         self.clock = clock
         self.push_role = push_role(vllm_config.kv_transfer_config.kv_role)
         self.config = _config(vllm_config)
@@ -226,10 +191,10 @@ class KVHandoffConnector(KVConnectorBase_V1):
         raw = request.kv_transfer_params
         if not raw or not raw.get("do_remote_prefill"):
             return
-        params = kvhandoff_params(raw)
         block_ids: list[int] = list(blocks.get_unhashed_block_ids())
         now = self.clock()
-        sched.update_state_after_alloc(request.request_id, block_ids, params, now)
+        # The scheduler only reads the params and takes vLLM's names as they are.
+        sched.update_state_after_alloc(request.request_id, block_ids, raw, now)
         if block_ids:
             self._owe(request.request_id, "recv", now)
             # Asked once: a request vLLM reschedules (recompute after a failed load) is
@@ -246,7 +211,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         vLLM ends (abort, error) while it waits for P's push is aborted in kvhandoff, so the
         ranks drop it (R-P10); vLLM keeps its blocks until the ranks report it."""
         sched = self._sched()
-        normally = getattr(request.status, "name", "") in _FINISHED_NORMALLY
+        normally = request.status in _FINISHED_NORMALLY
         if self.push_role != "prefill":
             if not normally and self.owed.has_tag(
                 VLLM_OWED_REPORT, request.request_id, "engine_waiting"
@@ -257,13 +222,23 @@ class KVHandoffConnector(KVConnectorBase_V1):
         delay, params = sched.request_finished(
             request.request_id,
             block_ids,
-            kvhandoff_params(request.kv_transfer_params),
+            request.kv_transfer_params,
             now,
             finished_normally=normally,
         )
         if delay:
             self._owe(request.request_id, "send", now)
         return delay, params
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call when its hybrid KV cache manager is on: the one group's blocks."""
+        if len(block_ids) != 1:
+            raise ValueError(
+                f"KVHandoffConnector transfers one KV cache group, got {len(block_ids)}"
+            )
+        return self.request_finished(request, block_ids[0])
 
     def _owe(self, request_id: str, direction: Direction, now: float) -> None:
         """vLLM now waits to hear about `request_id` once."""
@@ -393,7 +368,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         ]
         if self.side_channel is not None:
             self.side_channel.close()
-        self.side_channel = serve_handshakes(self.engine, payloads)
+        self.side_channel = serve_handshakes(self.engine, payloads, self.config.tp_size)
 
     def shutdown(self) -> None:
         if self.assembly is not None:

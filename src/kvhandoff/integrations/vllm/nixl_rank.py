@@ -21,36 +21,15 @@ from kvhandoff.adapters.zmq.side_channel import SideChannelServer
 from kvhandoff.machines.push.scheduler import LocalEngine, Role
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.protocol.errors import LocalProtocolError
-from kvhandoff.protocol.handshake import (
-    HANDSHAKE_PROTOCOL_VERSION,
-    EngineHandshake,
-    compatibility_hash,
-    decode_handshake,
-    encode_engine_handshake,
-    encode_handshake,
-)
+from kvhandoff.protocol.handshake import encode_handshake
 from kvhandoff.protocol.member_routing import LocalRegion
 from kvhandoff.protocol.push_config import PushConfig
+from kvhandoff.protocol.vllm_compat import VllmCompatFactors
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CompatFactors", "RankAssembly", "build_rank", "kv_regions", "serve_handshakes"]
-
-
-@dataclass(frozen=True, slots=True)
-class CompatFactors:
-    """What both engines must agree on before KV moves, from vLLM's config (the
-    connector passes them): engine version, model, KV dtype and the bytes of one
-    engine-wide KV block."""
-
-    engine_version: str
-    model: str
-    dtype: str
-    kv_block_len: int
-
-    def hash(self) -> str:
-        return compatibility_hash(self.engine_version, self.model, self.dtype, self.kv_block_len)
+__all__ = ["RankAssembly", "build_rank", "kv_regions", "serve_handshakes"]
 
 
 def kv_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[LocalRegion]:
@@ -100,7 +79,7 @@ def build_rank(
     engine_id: str,
     regions: Sequence[LocalRegion],
     config: PushConfig,
-    factors: CompatFactors,
+    factors: VllmCompatFactors,
     *,
     tp_rank: int = 0,
     mem: str = "DRAM",
@@ -114,7 +93,7 @@ def build_rank(
             engine_id,
             agent,
             regions,
-            compatibility_hash=factors.hash(),
+            vllm_factors=factors,
             tp_size=config.tp_size,
             tp_rank=tp_rank,
             is_decoder=role == "decode",
@@ -131,12 +110,15 @@ def build_rank(
     return RankAssembly(rank, agent, transport, writer, executor)
 
 
-def serve_handshakes(engine: LocalEngine, payloads: Sequence[bytes]) -> SideChannelServer:
-    """The engine's side channel, serving every rank's payload (global rank order)."""
-    ranks = tuple(decode_handshake(payload) for payload in payloads)
-    served = encode_engine_handshake(
-        EngineHandshake(
-            protocol_version=HANDSHAKE_PROTOCOL_VERSION, engine_id=engine.engine_id, ranks=ranks
-        )
-    )
-    return SideChannelServer(engine.host, engine.port, lambda: served)
+def serve_handshakes(
+    engine: LocalEngine, payloads: Sequence[bytes], tp_size: int
+) -> SideChannelServer:
+    """The engine's side channel, serving each rank's payload (global rank order,
+    ``pp_rank * tp_size + tp_rank``) to whoever asks for that rank."""
+    served = tuple(payloads)
+
+    def provider(pp_rank: int, tp_rank: int) -> bytes | None:
+        index = pp_rank * tp_size + tp_rank
+        return served[index] if 0 <= tp_rank < tp_size and 0 <= index < len(served) else None
+
+    return SideChannelServer(engine.host, engine.port, provider)
