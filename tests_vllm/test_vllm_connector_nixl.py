@@ -30,7 +30,7 @@ def _free_port() -> int:
 class Engine:
     """One vLLM engine: its real Scheduler here, its worker connectors in other processes."""
 
-    def __init__(self, model_dir: Path, kv_role: str, tp: int = 1) -> None:
+    def __init__(self, model_dir: Path, kv_role: str, tp: int = 1, mode: str = "push") -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.engine_id = f"{kv_role}-{uuid.uuid4().hex[:8]}"
@@ -40,6 +40,7 @@ class Engine:
             "side_channel_port": self.port,
             "kv_lease_duration": 5.0,  # a lease nobody heartbeats ends soon
             "handshake_timeout": 5.0,
+            "transfer_mode": mode,
         }
         config = vllm_harness.vllm_config(
             model_dir,
@@ -148,8 +149,11 @@ def _run(
     for _ in range(STEP_LIMIT):
         prefill.step()
         out, kv_output = decode.step()
-        for rid, registration in out.kv_connector_metadata.push.push_registrations.items():
+        push = out.kv_connector_metadata.push
+        for rid, registration in push.push_registrations.items():
             run.registered[rid] = list(registration.block_ids)
+        for rid, read in push.pull_reads.items():  # pull mode: the blocks D reads into
+            run.registered[rid] = list(read.block_ids)
         if kv_output is not None:
             run.failed |= set(kv_output.failed_recving or ())
             run.invalid |= set(kv_output.invalid_block_ids or ())
@@ -257,3 +261,58 @@ def test_R_T03_tp2_workers_on_both_sides_move_every_rank_share(
     its head share of every block, written by its P peer rank."""
     lengths = {"cmpl-tp-a-0": 4 * BLOCK + 3, "cmpl-tp-b-0": 9 * BLOCK}
     _transfer(*pair_tp2, lengths, tp=2)
+
+
+@pytest.fixture(scope="module")
+def pull_pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    prefill = Engine(tiny_model_dir, "kv_producer", mode="pull")
+    decode = Engine(tiny_model_dir, "kv_consumer", mode="pull")
+    try:
+        prefill.start()
+        decode.start()
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_C_02_pull_mode_reads_between_two_vllm_schedulers_over_real_nixl(
+    pull_pair: tuple[Engine, Engine],
+) -> None:
+    """`transfer_mode: pull` (B-09): P's vLLM finishes each prefill leg and returns, from
+    kvhandoff's connector, vLLM-shaped pull params (its block ids, one list per group); the
+    decode leg carries them to D, whose worker READs P's blocks over NIXL; P's lease ends
+    with the READ's notif. Bytes verified on D, every block free on both schedulers."""
+    from vllm.v1.request import RequestStatus
+
+    prefill, decode = pull_pair
+    lengths = {"cmpl-p-0": 2 * BLOCK + 3, "cmpl-q-0": 3 * BLOCK}
+    params: dict[str, dict[str, Any]] = {}
+    finish = prefill.sched.connector.request_finished
+
+    def recording(request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay, leg = finish(request, block_ids)
+        if leg is not None:
+            params[request.request_id] = leg
+        return delay, leg
+
+    prefill.sched.connector.request_finished = recording  # what the proxy would relay
+    for i, (rid, length) in enumerate(lengths.items()):
+        prefill.sched.add_request(_request(rid, _prompt(i, length), P_LEG, 1))
+    for _ in range(STEP_LIMIT):
+        prefill.step()
+        if set(params) == set(lengths):
+            break
+    assert set(params) == set(lengths), "P finished every prefill leg with pull params"
+    assert all(leg["transfer_mode"] == "pull" for leg in params.values())
+    d_requests = {
+        rid: _request(rid, _prompt(i, length), params[rid], 2)
+        for i, (rid, length) in enumerate(lengths.items())
+    }
+    for request in d_requests.values():
+        decode.sched.add_request(request)
+    run = _run(prefill, decode)
+    assert run.verified == set(lengths)
+    assert not run.failed
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in d_requests.values())
+    _all_free(prefill, decode)

@@ -1,4 +1,4 @@
-"""`KVHandoffConnector`: kvhandoff's push mode behind vLLM 0.33's `KVConnectorBase_V1`
+"""`KVHandoffConnector`: kvhandoff's push (or pull) mode behind vLLM 0.33's `KVConnectorBase_V1`
 (C-05, R-T01). Imports vLLM; reached through the package's lazy names only.
 
 One instance per role, as vLLM builds them: on the SCHEDULER role it owns a `PushScheduler`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,7 +40,7 @@ from kvhandoff.integrations.vllm.records import (
 )
 from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.meta import PushWorkerOutput
-from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
+from kvhandoff.machines.push.scheduler import LocalEngine, Mode, PushScheduler
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.compiled import Instance
@@ -100,6 +100,16 @@ def _engine(vllm_config: Any) -> LocalEngine:
     return LocalEngine(str(transfer.engine_id), host, port)
 
 
+def transfer_mode(vllm_config: Any) -> Mode:
+    """`kv_connector_extra_config["transfer_mode"]`: "push" (default, as vLLM's
+    `NixlPushConnector`) or "pull" (as vLLM's `NixlConnector` READ path, B-09)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    mode = extra.get("transfer_mode", "push")
+    if mode == "push" or mode == "pull":
+        return cast(Mode, mode)
+    raise ValueError(f"kv_connector_extra_config transfer_mode must be push or pull: {mode!r}")
+
+
 def compat_factors(vllm_config: Any) -> VllmCompatFactors:
     """What a peer engine hashes and compares before any KV moves, read from vLLM's config
     exactly as vLLM 0.33's own NIXL connector reads it (C-01), so a stock vLLM peer and a
@@ -107,7 +117,7 @@ def compat_factors(vllm_config: Any) -> VllmCompatFactors:
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     backend = get_current_attn_backends(vllm_config)[0].get_name()
-    return VllmCompatFactors.from_vllm_config(vllm_config, str(backend), "push")
+    return VllmCompatFactors.from_vllm_config(vllm_config, str(backend), transfer_mode(vllm_config))
 
 
 def _tp_rank(vllm_config: Any) -> int:
@@ -145,6 +155,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.clock = clock
         self.push_role = push_role(vllm_config.kv_transfer_config.kv_role)
         self.config = _config(vllm_config)
+        self.mode = transfer_mode(vllm_config)
         self.engine = _engine(vllm_config)
         self.scheduler: PushScheduler | None = None
         self.rank: PushRank | None = None
@@ -159,7 +170,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.owed.register(VLLM_OWED_REPORT)
             self.scheduler = PushScheduler(
-                self.push_role, self.engine, self.config, "push", now=clock()
+                self.push_role, self.engine, self.config, self.mode, now=clock()
             )
             self.scheduler.bus.on_retire(self._on_push_retired)
         else:
@@ -344,6 +355,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             self.config,
             compat_factors(self._vllm_config),
             tp_rank=_tp_rank(self._vllm_config),
+            mode=self.mode,
             mem="VRAM" if first.is_cuda else "DRAM",
             clock=self.clock,
         )

@@ -18,7 +18,7 @@ from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterThread
 from kvhandoff.adapters.zmq.side_channel import SideChannelServer
-from kvhandoff.machines.push.scheduler import LocalEngine, Role
+from kvhandoff.machines.push.scheduler import LocalEngine, Mode, Role
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.handshake import encode_handshake
@@ -84,6 +84,7 @@ def build_rank(
     tp_rank: int = 0,
     mem: str = "DRAM",
     clock: Clock = real_clock,
+    mode: Mode = "push",
 ) -> RankAssembly:
     """A `PushRank` over a NIXL agent of its own whose regions are the rank's KV tensors,
     its writer thread and handshake executor started."""
@@ -101,7 +102,14 @@ def build_rank(
         )
         executor = HandshakeExecutor()
         rank = PushRank(
-            role, engine_id, transport, executor.submit, config=config, clock=clock, rank=tp_rank
+            role,
+            engine_id,
+            transport,
+            executor.submit,
+            config=config,
+            clock=clock,
+            rank=tp_rank,
+            mode=mode,
         )
     except BaseException:
         agent.close()
