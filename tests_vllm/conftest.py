@@ -18,21 +18,7 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+from kvhandoff.integrations.vllm.bench import TINY_LLAMA
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,10 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import time
-from collections.abc import Iterable
+import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +132,28 @@ def run_until(engines: Iterable[Any], done: Any, what: str, timeout_s: float = 1
             engine.step()
         rounds += 1
     return rounds
+
+
+def serve_commands(conn: Connection, build: Callable[[], Any], ready: Callable[[Any], Any]) -> None:
+    """A child process's loop: build its state (reporting a failure), send `ready(state)`,
+    then answer `(cmd, args)` by calling `state.cmd(*args)` until `close` or EOF."""
+    try:
+        state = build()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", ready(state)))
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "close":
+                state.close()
+                conn.send(("ok", None))
+                break
+            conn.send(("ok", getattr(state, cmd)(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    conn.close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from stock_vllm_common import (
     block_pattern,
     free_port,
     push_config,
+    serve_commands,
     worker_context,
 )
 
@@ -63,26 +63,11 @@ def _rank_main(
     mode: str,
     faults: str,
 ) -> None:
-    try:
-        rank = _Rank(role, engine_id, num_blocks, factors, mode, faults)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", rank.payload))
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "close":
-                rank.close()
-                conn.send(("ok", None))
-                break
-            conn.send(("ok", getattr(rank, cmd)(*args)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-    conn.close()
+    serve_commands(
+        conn,
+        lambda: _Rank(role, engine_id, num_blocks, factors, mode, faults),
+        lambda rank: rank.payload,
+    )
 
 
 class _Rank:

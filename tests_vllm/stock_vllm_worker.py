@@ -8,7 +8,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from stock_vllm_common import (
     LAYERS,
     block_pattern,
     push_config,
+    serve_commands,
     worker_context,
 )
 
@@ -35,26 +35,11 @@ def _worker_main(
     connector: tuple[str, str | None],
 ) -> None:
     """vLLM's worker-role connector in its own process; answers the parent's commands."""
-    try:
-        state = _worker_setup(model_dir, kv_role, engine_id, num_blocks, extra, connector)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", state.handshake))
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "close":
-                state.close()
-                conn.send(("ok", None))
-                break
-            conn.send(("ok", getattr(state, cmd)(*args)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-    conn.close()
+    serve_commands(
+        conn,
+        lambda: _worker_setup(model_dir, kv_role, engine_id, num_blocks, extra, connector),
+        lambda state: state.handshake,
+    )
 
 
 class _WorkerState:

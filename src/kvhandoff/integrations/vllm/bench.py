@@ -50,7 +50,7 @@ TIMED_HOOKS = (
     "update_state_after_free",
 )
 
-_TINY_LLAMA = {
+TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,
@@ -308,7 +308,7 @@ def run_vllm_bench(
     best: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-vllm-") as tmp:
         model_dir = Path(tmp)
-        (model_dir / "config.json").write_text(json.dumps(_TINY_LLAMA))
+        (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
         overhead_ns = _timer_overhead_ns()
         for round_ in range(rounds):
             for side in ("decode", "prefill"):
