@@ -138,7 +138,7 @@ class PushRank(RankWriterSide):
 
     def get_finished(self) -> PushWorkerOutput:
         now = self._main_now()
-        return self.worker.get_finished(now)
+        return self.worker.get_finished(now, self._transfer_settled)
 
     def step(self, meta: PushConnectorMeta, now: float | None = None) -> PushWorkerOutput:
         """start_load_kv then get_finished at one `now` (read from the clock if None)."""
@@ -146,7 +146,7 @@ class PushRank(RankWriterSide):
         self._take_writer_items(now)
         self._start_load_kv(meta, now)
         self._take_writer_items(now)
-        return self.worker.get_finished(now)
+        return self.worker.get_finished(now, self._transfer_settled)
 
     def _start_load_kv(self, meta: PushConnectorMeta, now: float) -> None:
         self.worker.start_load_kv(meta, now)
@@ -185,6 +185,16 @@ class PushRank(RankWriterSide):
             self.sending_transfers[request_id] = handles
 
     # -- transfers (polled on the main thread, as the seed says) ----------------------------
+
+    def _transfer_settled(self, request_id: str) -> bool:
+        """Whether polling `request_id` again can end it: its transfers are no longer in
+        flight, or it has none here (the machine's poll then finds out)."""
+        self._adopt_posted_transfers()
+        handles = self.sending_transfers.get(request_id)
+        if handles is None:
+            return True
+        transport = self.transport
+        return all(transport.poll(handle) != "PROC" for _rank, handle in handles)
 
     def _poll_transfer(self, _inst: Instance[object] | None, effect: PollTransfer) -> None:
         self._adopt_posted_transfers()

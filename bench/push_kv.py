@@ -47,8 +47,14 @@ class PushBenchConfig:
     diagnose: bool = False
     """Also time, without the framework, raw WRITEs of the same block descriptors: one per
     request (`raw_per_request`) and one for all requests (`raw_one_write`)."""
+    raw_per_request: bool = False
+    """Also time raw WRITEs of the framework's block descriptors, one per request with its
+    notif (`raw_per_request`, without `raw_one_write`): the NIXL-only path's own baseline."""
     backend: str = "UCX"
     timeout_s: float = 120.0
+    nixl_post_every: int = 0
+    """NIXL path: queued WRITEs per D rank posted at once, before the writer pass ends
+    (`WriteBatcher.post_every`; 0: all of a pass in one transfer when it ends)."""
     ipc_launch_every: int = 0
     """cuda_ipc: queued WRITEs per D rank that launch a kernel from the writer at once
     (0: all of a writer pass in one launch, at P's next poll)."""

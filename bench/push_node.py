@@ -64,6 +64,7 @@ class BenchSide:
             mem="VRAM" if cfg.device == "cuda" else "DRAM",
             device_id=0,
         )
+        self.nixl.batcher.post_every = cfg.nixl_post_every
         self.transport: NixlPushTransport | IpcPushTransport = self.nixl
         if cfg.transport == "cuda_ipc":
             from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport

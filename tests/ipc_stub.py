@@ -54,6 +54,11 @@ class StubNixl:
             raise LocalProtocolError(f"engine {engine_id!r} is not connected")
         self.sent.append((engine_id, rank, message))
 
+    def send_notifs(self, engine_id: str, rank: int, messages: Sequence[bytes]) -> None:
+        """Recorded one by one, as toward a peer without notif bundles."""
+        for message in messages:
+            self.send_notif(engine_id, rank, message)
+
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         inbox, self.inbox = self.inbox, []
         return inbox

@@ -511,3 +511,29 @@ def test_B_13_releasing_a_request_in_flight_cancels_its_whole_batch(
     assert batch.handle.released, "the batch's NIXL transfer was released (cancelled)"
     assert transport.poll(handles[1]) == "ERR"
     transport.release(handles[1])
+
+
+def test_B_13_post_every_posts_a_full_group_before_the_pass_ends(pair: Harness) -> None:
+    """With `post_every` K, the K-th WRITE queued for one D rank posts those K at once
+    (overlapping the rest of the pass); the flush posts the remainder; all land, each with
+    its notif."""
+    transport = _nixl_only(pair)
+    batcher = transport.batcher
+    engine_b = pair.b.transport.engine_id
+    notifs = [f"req-pe{i}:1".encode() for i in (1, 2, 3)]
+    batcher.post_every = 2
+    try:
+        before = batcher.batches_posted
+        handles = [
+            transport.write_blocks(engine_b, 0, [i], [i], n)
+            for i, n in zip((1, 2, 3), notifs, strict=True)
+        ]
+        assert batcher.batches_posted - before == 1, "the first two left before the flush"
+        assert transport.flush_writes() == []
+        assert batcher.batches_posted - before == 2
+        assert [done(pair, pair.a, h) for h in handles] == ["DONE"] * 3
+        assert sorted(m for _s, m in notifs_until(pair, pair.b, 3)) == sorted(notifs)
+    finally:
+        batcher.post_every = 0
+    for handle in handles:
+        transport.release(handle)

@@ -13,8 +13,9 @@ except:
   sends a new export. WRITEs of whole
   blocks to an opened rank are queued, not posted: the next `poll` (main thread) or
   `get_new_notifs` (writer thread) launches ONE gather-scatter kernel per D rank for every
-  queued request and records a CUDA event; each request's completion notif leaves through
-  NIXL only after that event fired, and only then does its `poll` say DONE. A request
+  queued request and records a CUDA event; the requests' completion notifs leave through
+  NIXL only after that event fired (one bundle per launch toward a D that speaks B-13),
+  and only then does their `poll` say DONE. A request
   released before its launch never lands; one released after it sends no notif.
 - `forget` (D gone, B-08) closes the rank's instance: it waits for that rank's kernels,
   fails their requests, unmaps the allocations, then the NIXL agents are forgotten: P
@@ -82,6 +83,8 @@ class IpcHandle:
     notif: bytes
     xfer_status: XferState = "PROC"
     released: bool = False
+    batch: _Batch | None = None
+    """The launch that carries it (None while queued)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -326,11 +329,16 @@ class IpcPushTransport:
         )
 
     def poll(self, handle: TransferHandle) -> XferState:
+        """A launched handle asks CUDA only whether the oldest unfinished launch ended
+        (launches on one stream end in order): an engine polling many requests pays one
+        event query each, not a walk of every queue."""
         if not isinstance(handle, IpcHandle):
             return self.inner.poll(handle)
         if handle.xfer_status == "PROC":
             with self._lock:
-                self._progress()
+                head = self._batches[0] if self._batches else None
+                if handle.batch is None or (head is not None and head.event.query()):  # type: ignore[no-untyped-call]
+                    self._progress()
         return handle.xfer_status
 
     def release(self, handle: TransferHandle) -> None:
@@ -345,7 +353,9 @@ class IpcPushTransport:
 
     def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
         """End of a writer pass: post the WRITEs queued on NIXL, one transfer per D rank
-        (B-13). Queued IPC WRITEs still launch at the next `poll` or `get_new_notifs`."""
+        (B-13). Queued IPC WRITEs launch at the next `poll` or `get_new_notifs`: launching
+        here, from the writer, measured slower on the H200 (bench/RESULTS.md): the launch
+        releases the GIL mid-pass and the engine's step takes it."""
         return self.inner.flush_writes()
 
     def flush(self) -> None:
@@ -387,16 +397,20 @@ class IpcPushTransport:
             self._complete(self._batches.pop(0))
 
     def _complete(self, batch: _Batch) -> None:
-        for handle in batch.handles:
-            if handle.released:
-                continue
-            try:
-                self.inner.send_notif(handle.engine_id, handle.rank, handle.notif)
-            except KvHandoffError as exc:
-                log.warning("completion notif after an IPC WRITE not sent: %s", exc)
-                handle.xfer_status = "ERR"
-            else:
-                handle.xfer_status = "DONE"
+        """The launch's event fired: its requests' completion notifs leave, as one bundle
+        toward a D rank that speaks B-13 (a launch writes to one D rank)."""
+        live = [h for h in batch.handles if not h.released]
+        if not live:
+            return
+        try:
+            self.inner.send_notifs(live[0].engine_id, live[0].rank, [h.notif for h in live])
+        except KvHandoffError as exc:
+            log.warning("completion notifs after an IPC WRITE not sent: %s", exc)
+            state: XferState = "ERR"
+        else:
+            state = "DONE"
+        for handle in live:
+            handle.xfer_status = state
 
     def _launch(self, key: str, peer: OpenedPeer, handles: list[IpcHandle]) -> None:
         import torch
@@ -421,7 +435,10 @@ class IpcPushTransport:
                 return
             event.record(stream)
         self.stats.launches += 1
-        self._batches.append(_Batch(key, event, handles))
+        batch = _Batch(key, event, handles)
+        for handle in handles:
+            handle.batch = batch
+        self._batches.append(batch)
         if self._use_notifier:
             if self._notifier is None:
                 self._notifier = threading.Thread(

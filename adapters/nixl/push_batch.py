@@ -5,12 +5,14 @@ indices at once (errors are raised there, as before), but only queues the WRITE.
 writer thread calls `flush` at the end of each writer pass: the WRITEs queued since the
 last flush are posted as ONE NIXL transfer per (D engine, D rank) pair, with every
 descriptor of every request in it and no notif attached (a transfer carries at most one).
+With `post_every` K, the K-th WRITE queued for one D rank posts those K at once, before
+the pass ends, so the transfer overlaps the matching of the pass's other requests.
 Each request keeps its own handle (`BatchedWrite`): `poll` on it says "PROC" until its
-batch completed; the first `poll` that sees the batch DONE sends the completion notif of
-every request in it with `send_notif` (a request whose notif could not be sent is "ERR"),
-and only then do their handles say "DONE". So D receives one completion notif per
-request, in the same form and from the same agent as before, after the bytes landed (D's
-accounting is unchanged).
+batch completed; the first `poll` that sees the batch DONE sends the completion notifs of
+every request in it (`send_notifs`: one bundle toward a peer that speaks B-13, else one
+notif each; when that fails the batch's requests are "ERR"), and only then do their
+handles say "DONE". So D receives one completion notif per request, in the same form and
+from the same agent as before, after the bytes landed (D's accounting is unchanged).
 
 Failure: a batch that fails to post or completes in error fails every request in it
 ("ERR"), exactly as a failed single WRITE would (B-10). A request released while its
@@ -22,6 +24,7 @@ before the flush is simply never posted.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +63,21 @@ class _Batch:
 class WriteBatcher:
     """The queue of one rank's WRITEs and the batches posted from it."""
 
-    def __init__(self, agent: NixlAgent) -> None:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        send_notifs: Callable[[str, int, Sequence[bytes]], None],
+        post_every: int = 0,
+    ) -> None:
         self.agent = agent
+        self._send_notifs = send_notifs
+        """(engine id, rank, notifs): the transport's `send_notifs` (bundles, B-13)."""
+        self.post_every = post_every
+        """Queued WRITEs to one D rank that are posted at once, before the pass ends, so
+        their transfer overlaps the matching of the pass's other requests (0: never)."""
         self._lock = threading.RLock()  # queue/flush on the writer, poll/release on main
         self._queued: list[BatchedWrite] = []
+        self._errors: list[tuple[str, KvHandoffError]] = []  # early posts', for `flush`
         self.batches_posted = 0
         """NIXL transfers posted (one per flush per D rank)."""
         self.writes_batched = 0
@@ -72,19 +86,28 @@ class WriteBatcher:
     def queue(self, write: BatchedWrite) -> BatchedWrite:
         with self._lock:
             self._queued.append(write)
+            if self.post_every:
+                key = _group(write)
+                members = [w for w in self._queued if not w.released and _group(w) == key]
+                if len(members) >= self.post_every:
+                    posted = {id(w) for w in members}
+                    self._queued = [w for w in self._queued if id(w) not in posted]
+                    error = self._post(members)
+                    if error is not None:
+                        self._errors.append((write.engine_id, error))
         return write
 
     def flush(self) -> list[tuple[str, KvHandoffError]]:
         """Post what is queued, one transfer per (engine, rank, local list); returns the
-        (engine id, error) of each batch that failed to post (its requests are "ERR")."""
+        (engine id, error) of each batch that failed to post since the last flush (its
+        requests are "ERR")."""
         with self._lock:
             queued, self._queued = self._queued, []
             groups: dict[tuple[str, int, int], list[BatchedWrite]] = {}
             for write in queued:
                 if not write.released:
-                    key = (write.engine_id, write.rank, id(write.local))
-                    groups.setdefault(key, []).append(write)
-            errors: list[tuple[str, KvHandoffError]] = []
+                    groups.setdefault(_group(write), []).append(write)
+            errors, self._errors = self._errors, []
             for members in groups.values():
                 error = self._post(members)
                 if error is not None:
@@ -116,23 +139,28 @@ class WriteBatcher:
             state = self.agent.poll(batch.handle)
             if state == "PROC":
                 return "PROC"
-            for member in batch.members:  # the whole batch at once: D hears of all of it
-                if member.xfer_status == "PROC" and not member.released:
-                    self._finish(member, state, batch.handle.error)
+            # The whole batch at once: D hears of all of it.
+            live = [m for m in batch.members if m.xfer_status == "PROC" and not m.released]
+            self._finish(live, state, batch.handle.error)
             return write.xfer_status
 
-    def _finish(self, write: BatchedWrite, state: XferState, error: str | None) -> None:
+    def _finish(self, members: list[BatchedWrite], state: XferState, error: str | None) -> None:
         if state == "ERR":
-            write.xfer_status, write.error = "ERR", error or "transfer failed"
+            for write in members:
+                write.xfer_status, write.error = "ERR", error or "transfer failed"
             return
-        # B-13: a request's completion notif leaves only after its batch landed.
+        # B-13: a request's completion notif leaves only after its batch landed; and
+        # the batch's notifs to one D rank leave together (all members share the rank).
+        notifs = [w.notif for w in members if w.notif]  # an empty notif is none
         try:
-            if write.notif:  # an empty notif is none, as on a single WRITE
-                self.agent.send_notif(write.remote.agent_name, write.notif)
+            if notifs:
+                self._send_notifs(members[0].engine_id, members[0].rank, notifs)
         except KvHandoffError as exc:
-            write.xfer_status, write.error = "ERR", str(exc)
+            for write in members:
+                write.xfer_status, write.error = "ERR", str(exc)
         else:
-            write.xfer_status = "DONE"
+            for write in members:
+                write.xfer_status = "DONE"
 
     def release(self, write: BatchedWrite) -> None:
         """Idempotent. In flight: cancels the whole batch (nothing lands after P gave up)."""
@@ -152,3 +180,8 @@ class WriteBatcher:
                 self.agent.release(batch.handle)
             elif all(member.released for member in batch.members):
                 self.agent.release(batch.handle)
+
+
+def _group(write: BatchedWrite) -> tuple[str, int, int]:
+    """Writes that can share one transfer: same D rank, same local descriptor list."""
+    return (write.engine_id, write.rank, id(write.local))

@@ -16,6 +16,7 @@ the ranks' payloads; this class only builds its own (`handshake_payload`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,8 +46,16 @@ from kvhandoff.protocol.member_routing import (
     RemoteRoute,
     derive_member_major_layout,
 )
+from kvhandoff.protocol.notif_bundle import (
+    EXT_NOTIF_BUNDLE,
+    decode_notif_bundle,
+    encode_notif_bundle,
+    is_notif_bundle,
+)
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 from kvhandoff.protocol.vllm_compat import VllmCompatFactors
+
+log = logging.getLogger(__name__)
 
 
 def _layout_facts(factors: VllmCompatFactors | None) -> dict[str, Any]:
@@ -118,6 +127,8 @@ class NixlPushTransport:
         self.layout_facts.update({k: v for k, v in explicit.items() if v is not None})
         self.extensions: tuple[str, ...] = ()
         self.auth_key_id = ""
+        self.rejected_bundles = 0
+        """Malformed notif bundles dropped by `get_new_notifs` (B-13, S-01)."""
         self.layout: MemberLayout = derive_member_major_layout(
             regions, pp_size=pp_size, is_decoder=is_decoder
         )
@@ -134,7 +145,7 @@ class NixlPushTransport:
         self._local: dict[int, PreppedBlocks] = {1: self._prep_local(1)}
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, tuple[str, int]] = {}
-        self.batcher = WriteBatcher(agent)
+        self.batcher = WriteBatcher(agent, self.send_notifs)
 
     @property
     def agent_name(self) -> str:
@@ -175,7 +186,9 @@ class NixlPushTransport:
         )
 
     def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
-        self.extensions = tuple(extensions)
+        """The rank's extensions, plus the ones this transport implements itself (it
+        splits notif bundles, B-13)."""
+        self.extensions = tuple(dict.fromkeys((*extensions, EXT_NOTIF_BUNDLE)))
         self.auth_key_id = auth_key_id
 
     def fetch_handshake(
@@ -304,8 +317,37 @@ class NixlPushTransport:
             raise LocalProtocolError(f"engine {engine_id!r} has no rank {rank}")
         self.agent.send_notif(info.agent(rank), message)
 
+    def send_notifs(self, engine_id: str, rank: int, messages: Sequence[bytes]) -> None:
+        """Several notifs to one rank, in order: as one bundle when the peer advertised
+        ``notif_bundle`` (B-13), else one `send_notif` each."""
+        info = self._peer(engine_id).info
+        if not 0 <= rank < len(info.ranks):
+            raise LocalProtocolError(f"engine {engine_id!r} has no rank {rank}")
+        agent_name = info.agent(rank)
+        if len(messages) > 1 and EXT_NOTIF_BUNDLE in info.extensions:
+            messages = encode_notif_bundle(messages)
+        for message in messages:
+            self.agent.send_notif(agent_name, message)
+
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
-        return self.agent.get_new_notifs()
+        """The agent's new notifs, bundles (B-13) split into the notifs they carry; a
+        malformed bundle is dropped whole and counted in `rejected_bundles`."""
+        notifs = self.agent.get_new_notifs()
+        if not any(is_notif_bundle(message) for _sender, message in notifs):
+            return notifs
+        split: list[tuple[str, bytes]] = []
+        for sender, message in notifs:
+            if not is_notif_bundle(message):
+                split.append((sender, message))
+                continue
+            try:
+                parts = decode_notif_bundle(message, peer=sender)
+            except RemoteProtocolError as exc:
+                self.rejected_bundles += 1
+                log.warning("notif bundle dropped: %s", exc)
+                continue
+            split.extend((sender, part) for part in parts)
+        return split
 
     def write_blocks(
         self,

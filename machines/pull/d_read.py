@@ -18,7 +18,8 @@ remote-engine machine, the writer thread, leases and heartbeats.
   into them ended.
 
 Every event here is local (D's own READ, polled). Tags: `pollable` (a READ is posted:
-get_finished polls it).
+get_finished polls it), `polled` (polled before: get_finished may skip it while the
+transport says the READ is still in flight).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ D_READ: Declaration[DReadCtx] = Declaration(
         "awaiting_handshake",
         "revoking",
         {"name": "posted", "tags": ("pollable",)},
-        {"name": "reading", "timeout": READ_TIMEOUT, "tags": ("pollable",)},
+        {"name": "reading", "timeout": READ_TIMEOUT, "tags": ("pollable", "polled")},
         {"name": "received", "final": True},
         {"name": "failed", "final": True},
         {"name": "ended", "final": True},

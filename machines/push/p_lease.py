@@ -25,7 +25,9 @@ lock):
   `PUSH_FAIL` where it speaks it (B-10); a failed handshake is logged
   `push_handshake_failed` and left to the lease (R-P12, the seed).
 
-Tags: `heartbeat_extends`, `pollable` (WRITEs posted: get_finished polls them).
+Tags: `heartbeat_extends`, `pollable` (WRITEs posted: get_finished polls them),
+`polled` (polled before: a further poll can only end the WRITE, so get_finished may skip
+it while the transport says the transfer is still in flight).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ P_LEASE: Declaration[PLeaseCtx] = Declaration(
         {"name": "handshake_failed", "timeout": LEASE},
         {"name": "revoking"},
         {"name": "posted", "tags": ("pollable",)},
-        {"name": "writing", "timeout": WRITE_TIMEOUT, "tags": ("pollable",)},
+        {"name": "writing", "timeout": WRITE_TIMEOUT, "tags": ("pollable", "polled")},
         {"name": "sent", "final": True},
         {"name": "released", "final": True},
         {"name": "expired", "final": True},

@@ -23,7 +23,7 @@ logged per peer, rate-limited (`rejections`, S-06), never raised out of the engi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -180,12 +180,21 @@ class PushWorker:
             bus.execute(WakeWriter())
         return woken
 
-    def get_finished(self, now: float) -> PushWorkerOutput:
-        """Poll posted transfers and report this rank's step; always wakes the writer."""
+    def get_finished(
+        self, now: float, settled: Callable[[str], bool] | None = None
+    ) -> PushWorkerOutput:
+        """Poll posted transfers and report this rank's step; always wakes the writer.
+
+        `settled(request_id)` (the rank's view of its transport, optional) says whether a
+        transfer may have ended: an instance polled before (`polled`) whose transfer has
+        not is skipped, since its poll could change nothing (its timeout runs on the
+        bus's timers either way)."""
         bus = self.bus
         bus.advance(now)
         kind = self.polled_kind
         for inst in bus.tagged(kind, "pollable"):
+            if settled is not None and inst.has("polled") and not settled(str(inst.key)):
+                continue
             bus.dispatch(kind, inst.key, Poll(), now)
         bus.execute(WakeWriter())
         output = self._output
