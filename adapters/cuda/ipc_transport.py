@@ -129,6 +129,11 @@ class IpcPushTransport:
         self.device = device
         self.stats = IpcStats()
         self._lock = threading.RLock()
+        """Guards the queues, batches, offers and the peer bus; held only briefly, so a
+        writer queueing a WRITE never waits behind a launch."""
+        self._launch_lock = threading.Lock()
+        """Held while launching and while unmapping a peer (never unmap under a launch, and
+        a release waits for a launch in progress). Lock order: `_launch_lock`, then `_lock`."""
         self._export: bytes | None = None
         if export:
             try:
@@ -198,7 +203,7 @@ class IpcPushTransport:
         return info
 
     def forget(self, engine_id: str) -> None:
-        with self._lock:
+        with self._launch_lock, self._lock:
             now = self.clock()
             for inst in self.bus.instances(IPC_PEER):
                 if inst.ctx.key.rpartition("/")[0] == engine_id:
@@ -264,14 +269,13 @@ class IpcPushTransport:
         kept = []
         for sender, message in notifs:
             if message.startswith(IPC_EXPORT_PREFIX):
-                with self._lock:
+                with self._launch_lock, self._lock:  # it may unmap the rank's old export
                     self._offers[sender] = message
                     self._offer_again(sender, message)
             else:
                 kept.append((sender, message))
         if self._queued or self._batches:
-            with self._lock:
-                self._progress()
+            self._progress()
         return kept
 
     def _offer_again(self, sender: str, message: bytes) -> None:
@@ -301,22 +305,9 @@ class IpcPushTransport:
         remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
         if local_chunk == WHOLE and remote_chunk == WHOLE:
-            with self._lock:
-                peer = self._opened(engine_id, rank)
-                if peer is not None:
-                    peer.check_ids(local_block_ids, remote_block_ids)
-                    handle = IpcHandle(
-                        engine_id, rank, tuple(local_block_ids), tuple(remote_block_ids), notif
-                    )
-                    key = f"{engine_id}/{rank}"
-                    queue = self._queued.setdefault(key, [])
-                    queue.append(handle)
-                    self.stats.ipc_writes += 1
-                    if self.launch_every and len(queue) >= self.launch_every:
-                        live = [h for h in queue if not h.released]
-                        queue.clear()
-                        self._launch(key, peer, live)
-                    return handle
+            handle = self._queue_ipc(engine_id, rank, local_block_ids, remote_block_ids, notif)
+            if handle is not None:
+                return handle
         self.stats.nixl_writes += 1
         return self.inner.write_blocks(
             engine_id,
@@ -328,6 +319,31 @@ class IpcPushTransport:
             remote_chunk=remote_chunk,
         )
 
+    def _queue_ipc(
+        self,
+        engine_id: str,
+        rank: int,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes,
+    ) -> IpcHandle | None:
+        """Queue a WRITE to an opened rank (None: that rank takes NIXL)."""
+        with self._lock:
+            peer = self._opened(engine_id, rank)
+            if peer is None:
+                return None
+            peer.check_ids(local_block_ids, remote_block_ids)
+            handle = IpcHandle(
+                engine_id, rank, tuple(local_block_ids), tuple(remote_block_ids), notif
+            )
+            queue = self._queued.setdefault(f"{engine_id}/{rank}", [])
+            queue.append(handle)
+            self.stats.ipc_writes += 1
+            full = bool(self.launch_every) and len(queue) >= self.launch_every
+        if full:
+            self._progress()
+        return handle
+
     def poll(self, handle: TransferHandle) -> XferState:
         """A launched handle asks CUDA only whether the oldest unfinished launch ended
         (launches on one stream end in order): an engine polling many requests pays one
@@ -337,15 +353,16 @@ class IpcPushTransport:
         if handle.xfer_status == "PROC":
             with self._lock:
                 head = self._batches[0] if self._batches else None
-                if handle.batch is None or (head is not None and head.event.query()):  # type: ignore[no-untyped-call]
-                    self._progress()
+                ended = head is not None and head.event.query()  # type: ignore[no-untyped-call]
+            if handle.batch is None or ended:
+                self._progress()
         return handle.xfer_status
 
     def release(self, handle: TransferHandle) -> None:
         if not isinstance(handle, IpcHandle):
             self.inner.release(handle)
             return
-        with self._lock:
+        with self._launch_lock, self._lock:  # not while its launch is being queued
             handle.released = True
             queued = self._queued.get(f"{handle.engine_id}/{handle.rank}", [])
             if handle in queued:
@@ -360,8 +377,7 @@ class IpcPushTransport:
 
     def flush(self) -> None:
         """Launch what is queued and send the notifs of finished launches."""
-        with self._lock:
-            self._progress()
+        self._progress()
 
     def close(self) -> None:
         """Stop the notifier thread (the transport itself stays usable)."""
@@ -388,13 +404,21 @@ class IpcPushTransport:
                     self._complete(batch)
 
     def _progress(self) -> None:
-        for key in list(self._queued):
-            handles = [h for h in self._queued.pop(key) if not h.released]
-            peer = self._mapped.get(key)
-            if handles and peer is not None:
-                self._launch(key, peer, handles)
-        while self._batches and self._batches[0].event.query():  # type: ignore[no-untyped-call]
-            self._complete(self._batches.pop(0))
+        """Launch what is queued (under `_launch_lock` only: the writer keeps queueing),
+        then complete the launches whose event fired, in order."""
+        with self._launch_lock:
+            with self._lock:
+                work = [
+                    (key, self._queued.pop(key), self._mapped.get(key))
+                    for key in list(self._queued)
+                ]
+            for key, queued, peer in work:
+                handles = [h for h in queued if not h.released]  # a release waits for us
+                if handles and peer is not None:
+                    self._launch(key, peer, handles)
+            with self._lock:
+                while self._batches and self._batches[0].event.query():  # type: ignore[no-untyped-call]
+                    self._complete(self._batches.pop(0))
 
     def _complete(self, batch: _Batch) -> None:
         """The launch's event fired: its requests' completion notifs leave, as one bundle
@@ -434,15 +458,16 @@ class IpcPushTransport:
                     handle.xfer_status = "ERR"
                 return
             event.record(stream)
-        self.stats.launches += 1
         batch = _Batch(key, event, handles)
-        for handle in handles:
-            handle.batch = batch
-        self._batches.append(batch)
-        if self._use_notifier:
-            if self._notifier is None:
-                self._notifier = threading.Thread(
-                    target=self._notify_loop, name="kvhandoff-ipc-notifier", daemon=True
-                )
-                self._notifier.start()
-            self._wake.notify()
+        with self._lock:
+            self.stats.launches += 1
+            for handle in handles:
+                handle.batch = batch
+            self._batches.append(batch)
+            if self._use_notifier:
+                if self._notifier is None:
+                    self._notifier = threading.Thread(
+                        target=self._notify_loop, name="kvhandoff-ipc-notifier", daemon=True
+                    )
+                    self._notifier.start()
+                self._wake.notify()
