@@ -58,6 +58,8 @@ class PushBenchConfig:
     ipc_launch_every: int = 0
     """cuda_ipc: queued WRITEs per D rank that launch a kernel from the writer at once
     (0: all of a writer pass in one launch, at P's next poll)."""
+    ipc_launch_at_flush: bool = False
+    """cuda_ipc: launch from the writer when its pass ends, not at the next poll."""
     ipc_notifier: bool = False
     """cuda_ipc: send completion notifs from a thread waiting on the kernel's event."""
     transport: TransportPath = "nixl"

@@ -75,6 +75,7 @@ class BenchSide:
                 export=role == "decode",
                 launch_every=cfg.ipc_launch_every,
                 notifier=cfg.ipc_notifier,
+                launch_at_flush=cfg.ipc_launch_at_flush,
             )
         # The baseline buffers are registered before the side channel serves this agent's
         # metadata, so the peer loads them with the first handshake.

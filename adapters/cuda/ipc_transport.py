@@ -114,6 +114,7 @@ class IpcPushTransport:
         export: bool = False,
         launch_every: int = 0,
         notifier: bool = False,
+        launch_at_flush: bool = False,
         clock: Callable[[], float] = real_clock,
     ) -> None:
         self.inner = inner
@@ -123,6 +124,9 @@ class IpcPushTransport:
         of a pass launch at the next `poll` / `get_new_notifs` (measured best on the H200,
         bench/RESULTS.md)."""
         self._use_notifier = notifier
+        self.launch_at_flush = launch_at_flush
+        """Launch a pass's queued WRITEs from the writer when the pass ends (`flush_writes`)
+        instead of at the next `poll` / `get_new_notifs`."""
         """Send completion notifs from a thread waiting on each launch's event instead of
         at the next `poll` / `get_new_notifs` (off: it measured slower)."""
         self.engine_id = inner.engine_id
@@ -371,8 +375,10 @@ class IpcPushTransport:
     def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
         """End of a writer pass: post the WRITEs queued on NIXL, one transfer per D rank
         (B-13). Queued IPC WRITEs launch at the next `poll` or `get_new_notifs`: launching
-        here, from the writer, measured slower on the H200 (bench/RESULTS.md): the launch
-        releases the GIL mid-pass and the engine's step takes it."""
+        here, from the writer (`launch_at_flush`), measured no better on the H200
+        (bench/RESULTS.md)."""
+        if self.launch_at_flush and self._queued:
+            self._progress()
         return self.inner.flush_writes()
 
     def flush(self) -> None:

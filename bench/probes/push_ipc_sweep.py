@@ -15,18 +15,22 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--launch-every", default="0,8,32", help="0: one launch per pass")
     parser.add_argument("--notifier", default="0,1", help="notifier thread off (0) / on (1)")
+    parser.add_argument("--at-flush", default="0", help="launch at poll (0) / at flush (1)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the variants, alternating")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     variants = [
-        (int(every), notifier == "1")
+        (int(every), notifier == "1", flush == "1")
         for every in args.launch_every.split(",")
         for notifier in args.notifier.split(",")
-    ]
-    for every, notifier in variants:
+        for flush in args.at_flush.split(",")
+    ] * args.rounds
+    for every, notifier, at_flush in variants:
         cfg = replace(
             config_for("cuda", False, "cuda_ipc"),
             ipc_launch_every=every,
             ipc_notifier=notifier,
+            ipc_launch_at_flush=at_flush,
             reps=args.reps,
         )
         result = run_push_bench(cfg, lambda line: print(line, file=sys.stderr))
@@ -36,6 +40,7 @@ def main() -> int:
                 {
                     "launch_every": every,
                     "notifier": notifier,
+                    "at_flush": at_flush,
                     **{k: result[k] for k in keep},
                     "verified": result["framework_verified"] and result["baseline_verified"],
                     "phases": result["framework_phases_ms"][-1],
