@@ -44,6 +44,18 @@ def block_pattern(tag: int, ordinal: int, layer: int) -> Any:
     return (torch.arange(BLOCK_ELEMS, dtype=torch.float64) + base).float().reshape(BLOCK_SHAPE)
 
 
+def fill_blocks(caches: dict[str, Any], fills: Iterable[tuple[int, int, int]]) -> None:
+    """Write `block_pattern(tag, ordinal, layer)` into each (block, tag, ordinal)."""
+    for block, tag, ordinal in fills:
+        for layer, name in enumerate(LAYERS):
+            caches[name][block].copy_(block_pattern(tag, ordinal, layer))
+
+
+def read_blocks(caches: dict[str, Any], blocks: Iterable[int]) -> list[bytes]:
+    """Each block's bytes, every layer in order (what a transfer must reproduce)."""
+    return [b"".join(caches[name][block].numpy().tobytes() for name in LAYERS) for block in blocks]
+
+
 def pattern_bytes(tag: int, ordinal: int) -> bytes:
     return b"".join(
         block_pattern(tag, ordinal, layer).numpy().tobytes() for layer in range(len(LAYERS))

@@ -31,9 +31,10 @@ from stock_vllm_common import (
     CALL_TIMEOUT_S,
     LAYERS,
     Leg,
-    block_pattern,
+    fill_blocks,
     free_port,
     push_config,
+    read_blocks,
     serve_commands,
     worker_context,
 )
@@ -129,15 +130,10 @@ class _Rank:
         return msgspec.msgpack.encode(self.rank.step(decoded))
 
     def fill(self, fills: list[tuple[int, int, int]]) -> None:
-        for block, tag, ordinal in fills:
-            for layer, name in enumerate(LAYERS):
-                self.caches[name][block].copy_(block_pattern(tag, ordinal, layer))
+        fill_blocks(self.caches, fills)
 
     def read(self, blocks: list[int]) -> list[bytes]:
-        return [
-            b"".join(self.caches[name][block].numpy().tobytes() for name in LAYERS)
-            for block in blocks
-        ]
+        return read_blocks(self.caches, blocks)
 
     def state(self) -> dict[str, Any]:
         from kvhandoff.machines.push.worker import RANK_KINDS

@@ -16,8 +16,9 @@ from stock_vllm_common import (
     BLOCK_SHAPE,
     CALL_TIMEOUT_S,
     LAYERS,
-    block_pattern,
+    fill_blocks,
     push_config,
+    read_blocks,
     serve_commands,
     worker_context,
 )
@@ -71,16 +72,10 @@ class _WorkerState:
         return output.kv_connector_output
 
     def fill(self, fills: list[tuple[int, int, int]]) -> None:
-        for block, tag, ordinal in fills:
-            for layer, name in enumerate(LAYERS):
-                self.caches[name][block].copy_(block_pattern(tag, ordinal, layer))
+        fill_blocks(self.caches, fills)
 
     def read(self, blocks: list[int]) -> list[bytes]:
-        """Each block's bytes, every layer in order (what a transfer must reproduce)."""
-        return [
-            b"".join(self.caches[name][block].numpy().tobytes() for name in LAYERS)
-            for block in blocks
-        ]
+        return read_blocks(self.caches, blocks)
 
     def state(self) -> dict[str, Any]:
         """What the worker still holds (everything must drain after the transfers)."""

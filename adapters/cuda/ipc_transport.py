@@ -124,11 +124,11 @@ class IpcPushTransport:
         of a pass launch at the next `poll` / `get_new_notifs` (measured best on the H200,
         bench/RESULTS.md)."""
         self._use_notifier = notifier
-        self.launch_at_flush = launch_at_flush
-        """Launch a pass's queued WRITEs from the writer when the pass ends (`flush_writes`)
-        instead of at the next `poll` / `get_new_notifs`."""
         """Send completion notifs from a thread waiting on each launch's event instead of
         at the next `poll` / `get_new_notifs` (off: it measured slower)."""
+        self.launch_at_flush = launch_at_flush
+        """Launch a pass's queued WRITEs from the writer when the pass ends (`flush_writes`)
+        instead of at the next `poll` / `get_new_notifs` (measured no better)."""
         self.engine_id = inner.engine_id
         self.device = device
         self.stats = IpcStats()

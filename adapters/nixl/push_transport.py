@@ -312,10 +312,7 @@ class NixlPushTransport:
         return local, local_idx, data, remote_idx
 
     def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
-        info = self._peer(engine_id).info
-        if not 0 <= rank < len(info.ranks):
-            raise LocalProtocolError(f"engine {engine_id!r} has no rank {rank}")
-        self.agent.send_notif(info.agent(rank), message)
+        self.send_notifs(engine_id, rank, (message,))
 
     def send_notifs(self, engine_id: str, rank: int, messages: Sequence[bytes]) -> None:
         """Several notifs to one rank, in order: as one bundle when the peer advertised
