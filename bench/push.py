@@ -77,11 +77,14 @@ class _Child:
         raise RuntimeError(f"bench {self.role.name}: no {event!r} event:\n{tail}")
 
 
-def _start(role: str, cfg: PushBenchConfig, *extra: str) -> _Child:
+CHILD_MODULE = "kvhandoff.bench.push_child"
+
+
+def _start(role: str, cfg: PushBenchConfig, child_module: str, *extra: str) -> _Child:
     env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"))
     env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvhandoff.bench.push_child", role, json.dumps(asdict(cfg)), *extra],
+        [sys.executable, "-m", child_module, role, json.dumps(asdict(cfg)), *extra],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -132,6 +135,9 @@ def _framework_rep(
     p.expect("prepared", timeout)
     d.send("arm", rep=rep)
     d.expect("armed", timeout)
+    # D registers while P computes the prefill: P finishes once its writer holds them.
+    p.send("await_registrations", rep=rep)
+    p.expect("registrations_held", timeout)
     p.send("go", rep=rep)
     pushed = p.expect("pushed", timeout)
     received = d.expect("received", timeout)
@@ -180,15 +186,19 @@ def _raw_rep(
 
 
 def run_push_bench(
-    cfg: PushBenchConfig, progress: Callable[[str], None] = lambda _: None
+    cfg: PushBenchConfig,
+    progress: Callable[[str], None] = lambda _: None,
+    *,
+    child_module: str = CHILD_MODULE,
 ) -> dict[str, Any]:
-    """Run both measurements in one pair of processes; returns the result dict."""
+    """Run both measurements in one pair of processes; returns the result dict.
+    `child_module` runs each side (a probe may substitute one built on `push_child`)."""
     cfg.check()
-    prefill = _start("prefill", cfg)
+    prefill = _start("prefill", cfg, child_module)
     children = [prefill]
     try:
         ready_p = prefill.expect("ready", 120.0)
-        decode = _start("decode", cfg, str(ready_p["port"]))
+        decode = _start("decode", cfg, child_module, str(ready_p["port"]))
         children.append(decode)
         ready_d = decode.expect("ready", 120.0)
         samples = _Samples()

@@ -45,6 +45,21 @@ class BenchPrefill(BenchSide):
         self.sync()
         emit("prepared", rep=rep)
 
+    def await_registrations(self, rep: int) -> None:
+        """Step like an idle engine until P's writer holds a PUSH_REG for every request
+        of the rep (each D rank's registration is held in its match slot until P's
+        blocks arrive), or the rep's deadline passes; the wait is not timed."""
+        wanted = self.cfg.requests * len(self.side.ranks)
+        deadline = self.deadline()
+        while self._held() < wanted and time.monotonic() < deadline:
+            self.step()
+            self.idle()
+        emit("registrations_held", rep=rep, held=self._held())
+
+    def _held(self) -> int:
+        # The writer thread's count of held registrations (an int, read without a lock).
+        return sum(rank.writer.pending_count for rank in self.side.ranks)
+
     def go(self, rep: int) -> None:
         side = self.side
         todo = [(self.request_id(rep, q), blocks) for q, blocks in enumerate(self.kv.blocks)]
