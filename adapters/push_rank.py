@@ -142,6 +142,7 @@ class PushRank(RankWriterSide):
 
     def step(self, meta: PushConnectorMeta, now: float | None = None) -> PushWorkerOutput:
         """start_load_kv then get_finished at one `now` (read from the clock if None)."""
+        self.transport.progress()
         now = self._main_now() if now is None else now
         self._take_writer_items(now)
         self._start_load_kv(meta, now)
@@ -153,8 +154,10 @@ class PushRank(RankWriterSide):
         self._send_heartbeats(meta, now)
 
     def _main_now(self) -> float:
-        """Read the clock, then apply the writer's items (its reports before the machines'
-        time moves on to `now`, see `PushWorker.take_writer_items`)."""
+        """Let the transport progress, read the clock, then apply the writer's items (its
+        reports before the machines' time moves on to `now`, see
+        `PushWorker.take_writer_items`)."""
+        self.transport.progress()
         now = self.clock()
         self._take_writer_items(now)
         return now

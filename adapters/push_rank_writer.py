@@ -145,8 +145,15 @@ class RankWriterSide:
             self.transport.flush_writes()
 
     def _execute(self, now: float) -> None:
+        pending = self.pending_completion_notifs
         for effect in self.writer.take_effects():
-            self._execute_one(effect, now)
+            kind = type(effect)
+            if kind is IssueWrite:
+                self._issue_write(effect.op, now)  # type: ignore[attr-defined]
+            elif kind is ReportToMain or kind is ForwardToMain:
+                pending.append(effect)  # type: ignore[arg-type]
+            else:
+                self._execute_one(effect, now)
 
     def _execute_one(self, effect: Effect, now: float) -> None:
         if isinstance(effect, ReportToMain | ForwardToMain):
@@ -214,11 +221,13 @@ class RankWriterSide:
     # -- P: the WRITEs of a matched push (R-P06, R-T03, R-T05, S-04, B-10) -------------
 
     def _issue_write(self, op: ReplayPush, now: float) -> None:
-        info = self.transport.engine(op.engine_id)
+        transport = self.transport
+        info = transport.engine(op.engine_id)
+        registrations = op.registrations
         try:
             if info is None:
                 raise KvHandoffError(f"no connected agents for {op.engine_id}")
-            for rr in op.registrations:
+            for rr in registrations:
                 _check_registration(info, rr.d_rank, rr.registration)
                 if not _sent_by(info, rr):
                     if self._rehandshake_once(op, now):
@@ -232,18 +241,21 @@ class RankWriterSide:
         except KvHandoffError as exc:
             self._write_submit_failed(op, exc, (), now)
             return
-        regs = {rr.d_rank: rr.registration for rr in op.registrations}
+        tp_size = self.config.tp_size
         handles: list[tuple[int, TransferHandle]] = []
         failed: list[int] = []
         last_error = ""
-        for target in write_targets(self.config.tp_size, self.tp_rank, info.tp_size):
-            reg = regs[target.d_rank]
+        for target in write_targets(tp_size, self.tp_rank, info.tp_size):
+            d_rank = target.d_rank
+            reg = next(rr.registration for rr in registrations if rr.d_rank == d_rank)
             try:
-                local, remote = self._physical_pair(info, target.d_rank, op.block_ids, reg)
-                notif = self._seal(encode_completion_notif(reg.request_id, self.config.tp_size))
-                handle = self.transport.write_blocks(
+                local, remote = self._physical_pair(info, d_rank, op.block_ids, reg)
+                notif = encode_completion_notif(reg.request_id, tp_size)
+                if self.key is not None:
+                    notif = self._seal(notif)
+                handle = transport.write_blocks(
                     op.engine_id,
-                    target.d_rank,
+                    d_rank,
                     local,
                     remote,
                     notif,
@@ -251,20 +263,19 @@ class RankWriterSide:
                     remote_chunk=target.remote,
                 )
             except KvHandoffError as exc:
-                log.warning(
-                    "WRITE %s to rank %d failed to post: %s", op.request_id, target.d_rank, exc
-                )
-                failed.append(target.d_rank)
+                log.warning("WRITE %s to rank %d failed to post: %s", op.request_id, d_rank, exc)
+                failed.append(d_rank)
                 last_error = str(exc)
                 self._forget_if_gone(op.engine_id, exc, now)
                 continue
-            handles.append((target.d_rank, handle))
+            handles.append((d_rank, handle))
         if not handles:
             error = KvHandoffError(f"every WRITE failed to post: {last_error}")
             self._write_submit_failed(op, error, (), now)
             return
         self.writer.on_issued(op.request_id, now)
-        self._execute(now)
+        if self.writer.has_effects:
+            self._execute(now)
         if failed:
             self.failed_transfers += len(failed)
             self._send_push_fail(op, f"WRITE failed to post: {last_error}", tuple(failed))

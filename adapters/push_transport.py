@@ -151,4 +151,11 @@ class PushTransport(Protocol):
 
     def poll(self, handle: TransferHandle) -> XferState: ...
 
+    def progress(self) -> None:
+        """Main thread, first thing in every engine step: a transport that completes
+        transfers itself (the CUDA IPC path) launches what is queued and sends the
+        completion notifs of what has finished, before the step spends its time on the
+        writer's reports; NIXL transfers progress on their own (nothing to do)."""
+        ...
+
     def release(self, handle: TransferHandle) -> None: ...

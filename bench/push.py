@@ -125,6 +125,9 @@ def _phases(pushed: dict[str, Any], received: dict[str, Any]) -> dict[str, float
         "last_finished_recving": received["t_last"],
         "all_finished_sending": pushed["t_sent"],
     }
+    for extra in ("t_notifs_first", "t_notifs_last"):  # a probe's child may add these
+        if extra in pushed:
+            marks[extra[2:]] = pushed[extra]
     return {k: None if t is None else round((t - start) * 1e3, 3) for k, t in marks.items()}
 
 

@@ -60,6 +60,9 @@ class PushBenchConfig:
     (0: all of a writer pass in one launch, at P's next poll)."""
     ipc_launch_at_flush: bool = False
     """cuda_ipc: launch from the writer when its pass ends, not at the next poll."""
+    ipc_kernel: str = "auto"
+    """cuda_ipc: the gather-scatter kernel, "cuda_core", "triton" or "auto" (cuda_core
+    where it loads)."""
     ipc_notifier: bool = False
     """cuda_ipc: send completion notifs from a thread waiting on the kernel's event."""
     transport: TransportPath = "nixl"

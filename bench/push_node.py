@@ -76,6 +76,7 @@ class BenchSide:
                 launch_every=cfg.ipc_launch_every,
                 notifier=cfg.ipc_notifier,
                 launch_at_flush=cfg.ipc_launch_at_flush,
+                kernel=cfg.ipc_kernel,  # type: ignore[arg-type]
             )
         # The baseline buffers are registered before the side channel serves this agent's
         # metadata, so the peer loads them with the first handshake.
@@ -152,6 +153,7 @@ class BenchSide:
                 ipc_writes=stats.ipc_writes,
                 nixl_writes=stats.nixl_writes,
                 ipc_launches=stats.launches,
+                ipc_kernel=stats.kernel,
                 ipc_refused=dict(stats.refused_peers),
             )
         return counters

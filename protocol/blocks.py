@@ -22,7 +22,7 @@ def expand_to_physical(logical_ids: Sequence[int], physical_per_logical: int) ->
     """
     if physical_per_logical < 1:
         raise LocalProtocolError(f"physical_per_logical must be >= 1, got {physical_per_logical}")
-    if any(block < 0 for block in logical_ids):
+    if logical_ids and min(logical_ids) < 0:
         raise LocalProtocolError(f"logical block ids must be >= 0, got {min(logical_ids)}")
     if physical_per_logical == 1:
         return list(logical_ids)

@@ -122,7 +122,9 @@ def _reserved_prefix(request_id: str) -> bytes | None:
     Prefixes end with ``:``, so ``"HB"`` is as ambiguous as ``"HB:x"`` (``b"HB:1"``).
     """
     raw = request_id.encode("utf-8", "surrogatepass") + b":"
-    return next((p for p in RESERVED_PREFIXES if raw.startswith(p)), None)
+    if not raw.startswith(RESERVED_PREFIXES):  # one test of every prefix
+        return None
+    return next(p for p in RESERVED_PREFIXES if raw.startswith(p))
 
 
 # --- completion -------------------------------------------------------------------
@@ -137,7 +139,7 @@ def encode_completion_notif(request_id: str, tp_size: int) -> bytes:
         raise LocalProtocolError(
             f"completion notif request id {request_id!r} starts with reserved prefix {prefix!r}"
         )
-    if type(tp_size) is not int or not _TP_SIZE.fullmatch(str(tp_size)):
+    if type(tp_size) is not int or not 1 <= tp_size <= MAX_TP_SIZE:
         raise LocalProtocolError(
             f"completion notif tp_size must be an int in 1..{MAX_TP_SIZE}, got {tp_size!r}"
         )

@@ -21,6 +21,7 @@ divides the other are refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvhandoff.protocol.errors import RemoteProtocolError
 
@@ -31,6 +32,7 @@ __all__ = [
     "completions_expected",
     "global_rank",
     "split_rank",
+    "target_ranks",
     "write_targets",
     "writers_of",
 ]
@@ -91,8 +93,10 @@ def split_rank(rank: int, tp_size: int) -> tuple[int, int]:
     return divmod(rank, tp_size)
 
 
+@lru_cache(maxsize=256)
 def write_targets(p_tp: int, p_tp_rank: int, d_tp: int) -> tuple[WriteTarget, ...]:
-    """The D ranks P TP rank `p_tp_rank` writes into, each with its chunks."""
+    """The D ranks P TP rank `p_tp_rank` writes into, each with its chunks (memoised: a
+    pure function of three sizes, asked on every push; bad sizes raise and are not kept)."""
     check_tp_sizes(p_tp, d_tp)
     if not 0 <= p_tp_rank < p_tp:
         raise ValueError(f"P TP rank {p_tp_rank} is not below P TP {p_tp}")
@@ -101,6 +105,12 @@ def write_targets(p_tp: int, p_tp_rank: int, d_tp: int) -> tuple[WriteTarget, ..
         return (WriteTarget(p_tp_rank // k, WHOLE, Chunk(p_tp_rank % k, k)),)
     k = d_tp // p_tp
     return tuple(WriteTarget(p_tp_rank * k + j, Chunk(j, k), WHOLE) for j in range(k))
+
+
+@lru_cache(maxsize=256)
+def target_ranks(p_tp: int, p_tp_rank: int, d_tp: int) -> frozenset[int]:
+    """The D ranks of `write_targets`, as a set."""
+    return frozenset(t.d_rank for t in write_targets(p_tp, p_tp_rank, d_tp))
 
 
 def writers_of(d_rank: int, d_tp: int, p_tp: int, p_pp: int) -> tuple[int, ...]:

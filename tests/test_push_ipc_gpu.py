@@ -106,10 +106,14 @@ def _wait(ipc: IpcPushTransport, handles: list[IpcHandle]) -> list[str]:
     return states
 
 
-def test_ipc_write_bytes_verified_then_d_killed(holder: _Holder) -> None:
+KERNELS = pytest.mark.parametrize("kernel", ["cuda_core", "triton"])
+
+
+@KERNELS
+def test_ipc_write_bytes_verified_then_d_killed(holder: _Holder, kernel: str) -> None:
     layers, slots = _local()
     stub = StubNixl(slots=slots)
-    ipc = IpcPushTransport(stub, device=0)  # type: ignore[arg-type]
+    ipc = IpcPushTransport(stub, device=0, kernel=kernel)  # type: ignore[arg-type]
     stub.inbox = [("d-agent", holder.export)]
     assert ipc.get_new_notifs() == []
     first = ipc.write_blocks("D", 0, [0, 1], [9, 10], b"done:r1")
@@ -118,6 +122,7 @@ def test_ipc_write_bytes_verified_then_d_killed(holder: _Holder) -> None:
     assert stub.sent == []  # queued: nothing launched, no notif yet
     assert _wait(ipc, [first, second]) == ["DONE", "DONE"]
     assert ipc.stats.launches == 1, ipc.stats
+    assert ipc.stats.kernel == kernel, ipc.stats
     assert stub.sent == [("D", 0, b"done:r1"), ("D", 0, b"done:r2")]
     assert stub.writes == []
     assert ipc.path("D", 0) == "cuda_ipc"
@@ -137,10 +142,11 @@ def test_ipc_write_bytes_verified_then_d_killed(holder: _Holder) -> None:
     del layers
 
 
-def test_a_released_queued_write_never_lands(holder: _Holder) -> None:
+@KERNELS
+def test_a_released_queued_write_never_lands(holder: _Holder, kernel: str) -> None:
     layers, slots = _local()
     stub = StubNixl(slots=slots)
-    ipc = IpcPushTransport(stub, device=0)  # type: ignore[arg-type]
+    ipc = IpcPushTransport(stub, device=0, kernel=kernel)  # type: ignore[arg-type]
     stub.inbox = [("d-agent", holder.export)]
     ipc.get_new_notifs()
     dropped = ipc.write_blocks("D", 0, [7], [7], b"done:gone")
@@ -167,3 +173,29 @@ def test_framework_push_over_cuda_ipc_bytes_verified() -> None:
     assert result["framework_verified"] is True, result["notes"]
     assert result["baseline_verified"] is True, result["notes"]
     assert result["path"] == "cuda_ipc", result["p_counters"]
+    assert result["p_counters"]["ipc_kernel"] == "cuda_core", result["p_counters"]
+
+
+@KERNELS
+def test_many_launches_in_flight_reuse_their_slots(holder: _Holder, kernel: str) -> None:
+    """One launch per WRITE (`launch_every=1`), more launches than a pool starts with
+    in flight at once: every copy lands, every notif leaves once, in order."""
+    layers, slots = _local()
+    stub = StubNixl(slots=slots)
+    ipc = IpcPushTransport(stub, device=0, kernel=kernel, launch_every=1)  # type: ignore[arg-type]
+    stub.inbox = [("d-agent", holder.export)]
+    ipc.get_new_notifs()
+    pairs = [(b, BLOCKS - 1 - b) for b in range(BLOCKS)]
+    handles = [ipc.write_blocks("D", 0, [src], [dst], f"done:{src}".encode()) for src, dst in pairs]
+    assert all(isinstance(h, IpcHandle) for h in handles)
+    assert _wait(ipc, handles) == ["DONE"] * BLOCKS  # type: ignore[arg-type]
+    assert ipc.stats.launches == BLOCKS, ipc.stats
+    assert [m for _e, _r, m in stub.sent] == [f"done:{s}".encode() for s, _d in pairs]
+    assert holder.verify(pairs) == "ok"
+    # A second round reuses the slots the first one gave back.
+    again = [ipc.write_blocks("D", 0, [s], [d], b"again") for s, d in pairs[:4]]
+    assert _wait(ipc, again) == ["DONE"] * 4  # type: ignore[arg-type]
+    assert ipc.stats.launches == BLOCKS + 4, ipc.stats
+    assert holder.verify(pairs) == "ok"  # rewritten with the same bytes, nothing else
+    ipc.forget("D")
+    del layers

@@ -1,9 +1,11 @@
 """P's side of one D rank's KV opened through CUDA IPC (issue 18): the mapped
-allocations, the per-region offset tables (uploaded once), one gather-scatter launch per
-batch, and the unmapping when D goes away.
+allocations, the per-region address tables (uploaded once), one gather-scatter launch per
+batch on the peer's copy stream, and the unmapping when D goes away.
 
-Imported lazily by `ipc_transport.py` (it imports torch, and the kernel module imports
-Triton) once a D on the same host has sent its export.
+The kernel is the cuda.core one (`ipc_gather.py`: NVRTC, a prepared `cuLaunchKernel`, a
+few µs of host time per launch) where it loads, else Triton's (`ipc_kernel.py`), or the
+one the caller names (`kernel`). Imported lazily by `ipc_transport.py` (it imports torch)
+once a D on the same host has sent its export.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 
@@ -23,9 +25,23 @@ from kvhandoff.protocol.member_routing import MemberSlot
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from kvhandoff.adapters.cuda.ipc_gather import GatherLaunches
+
 log = logging.getLogger(__name__)
 
 ALIGN = 16
+
+KernelChoice = Literal["auto", "cuda_core", "triton"]
+"""Which gather-scatter kernel: "cuda_core" (NVRTC, prepared `cuLaunchKernel`), "triton",
+or "auto" (cuda_core where it loads, else Triton)."""
+
+
+class Copy(Protocol):
+    """A launched copy's end: an event (torch's or the gather launch slot)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 class _DevicePtr:
@@ -49,7 +65,13 @@ def _base_tensor(ptr: int, device: torch.device) -> torch.Tensor:
 class OpenedPeer:
     """One D rank's KV regions mapped into this process, matched to ours by member."""
 
-    def __init__(self, export: IpcExport, local: Sequence[MemberSlot], device: int) -> None:
+    def __init__(
+        self,
+        export: IpcExport,
+        local: Sequence[MemberSlot],
+        device: int,
+        kernel: KernelChoice = "auto",
+    ) -> None:
         if export.version != IPC_EXPORT_VERSION:
             raise IpcError(f"IPC export version {export.version} is not spoken here")
         if export.host != ipc_runtime.host_identity():
@@ -95,6 +117,34 @@ class OpenedPeer:
         )
         self.regions = len(local)
         self._launch: Callable[..., None] | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self.gather: GatherLaunches | None = None
+        self.kernel: KernelChoice = "triton"
+        self.kernel_note = ""
+        """Why the cuda.core kernel is not used ("" when it is)."""
+        if kernel != "triton":
+            self._open_gather(src, dst)
+            if self.gather is None and kernel == "cuda_core":
+                self.close()
+                raise IpcError(f"kernel cuda_core asked for: {self.kernel_note}")
+
+    def _open_gather(self, src: list[int], dst: list[int]) -> None:
+        from kvhandoff.adapters.cuda.ipc_gather import GatherKernel, GatherLaunches
+        from kvhandoff.adapters.cuda.runtime import CudaRuntime
+
+        kernel = GatherKernel.load(self.device.index or 0)
+        runtime = CudaRuntime.load()
+        if isinstance(kernel, str) or isinstance(runtime, str):
+            self.kernel_note = kernel if isinstance(kernel, str) else str(runtime)
+            log.warning("CUDA IPC push: %s; using the Triton kernel", self.kernel_note)
+            return
+        try:
+            self.gather = GatherLaunches(kernel, runtime, src, dst, self.block_len)
+        except Exception as exc:  # any CUDA failure: the Triton kernel still works
+            self.kernel_note = f"gather launches unavailable: {exc}"
+            log.warning("CUDA IPC push: %s; using the Triton kernel", self.kernel_note)
+            return
+        self.kernel = "cuda_core"
 
     def check_ids(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
         if len(local_ids) != len(remote_ids):
@@ -107,19 +157,50 @@ class OpenedPeer:
         ):
             raise IpcError("a block id lies outside the regions")
 
-    def launch(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
-        """One kernel on the current stream for every (block, region) pair of a batch."""
+    def launch(self, local_ids: list[int], remote_ids: list[int]) -> Copy:
+        """One kernel for every (block, region) pair of a batch, on this peer's copy
+        stream after the work enqueued so far on the device's default stream (where the
+        engine wrote P's KV); returns what says when it ended (`query`, `synchronize`),
+        to be given back with `retire` once its requests were completed."""
+        if self.gather is not None:
+            return cast("Copy", self.gather.launch(local_ids, remote_ids))
+        return self._launch_triton(local_ids, remote_ids)
+
+    def retire(self, copy: Copy) -> None:
+        """A launch ended and its requests were completed: its buffers may be reused."""
+        if self.gather is not None:
+            from kvhandoff.adapters.cuda.ipc_gather import LaunchSlot
+
+            if isinstance(copy, LaunchSlot):
+                self.gather.retire(copy)
+
+    def _launch_triton(self, local_ids: list[int], remote_ids: list[int]) -> Copy:
         if self._launch is None:
             from kvhandoff.adapters.cuda.ipc_kernel import launch
 
             self._launch = launch
-        host = array("i", local_ids)
-        host.extend(remote_ids)
-        ids = torch.frombuffer(host, dtype=torch.int32).to(self.device, non_blocking=True)
-        self._launch(self.src, self.dst, self.src_off, self.dst_off, ids, self.words)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self._stream
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+            host = array("i", local_ids)
+            host.extend(remote_ids)
+            ids = torch.frombuffer(host, dtype=torch.int32).to(self.device, non_blocking=True)
+            self._launch(self.src, self.dst, self.src_off, self.dst_off, ids, self.words)
+            event.record(stream)
+        return event
 
     def close(self) -> None:
-        """Unmap D's allocations; errors (D already gone) are logged, never raised."""
+        """Wait for this peer's launches, then unmap D's allocations; errors (D already
+        gone) are logged, never raised."""
+        gather, self.gather = getattr(self, "gather", None), None
+        if gather is not None:
+            try:
+                gather.close()
+            except Exception as exc:  # a broken context must not stop the unmapping
+                log.warning("closing the gather launches failed: %s", exc)
         ptrs, self.ptrs = self.ptrs, []
         for ptr in ptrs:
             try:

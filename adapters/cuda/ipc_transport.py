@@ -11,11 +11,13 @@ except:
   handles once (`OpenedPeer`); when host, GPU or peer access, regions or CUDA say no, the
   refusal is logged once and that rank stays on NIXL (`nixl_only`, the fallback) until D
   sends a new export. WRITEs of whole
-  blocks to an opened rank are queued, not posted: the next `poll` (main thread) or
-  `get_new_notifs` (writer thread) launches ONE gather-scatter kernel per D rank for every
-  queued request and records a CUDA event; the requests' completion notifs leave through
-  NIXL only after that event fired (one bundle per launch toward a D that speaks B-13),
-  and only then does their `poll` say DONE. A request
+  blocks to an opened rank are queued, not posted: the next `progress` / `poll` (main
+  thread) or `get_new_notifs` (writer thread) launches ONE gather-scatter kernel per D
+  rank for every queued request (or the writer does, every `launch_every` queued
+  WRITEs) on the peer's copy stream, ending in an event; the requests' completion notifs
+  leave through NIXL only after that event fired (one bundle per launch toward a D that
+  speaks B-13), and only then does their `poll` say DONE. The kernel is the cuda.core one
+  (`ipc_gather.py`) where it loads, else Triton's (`kernel` picks). A request
   released before its launch never lands; one released after it sends no notif.
 - `forget` (D gone, B-08) closes the rank's instance: it waits for that rank's kernels,
   fails their requests, unmaps the allocations, then the NIXL agents are forgotten: P
@@ -63,9 +65,7 @@ from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvhandoff.adapters.cuda.ipc_peer import OpenedPeer
+    from kvhandoff.adapters.cuda.ipc_peer import Copy, KernelChoice, OpenedPeer
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,20 @@ class IpcHandle:
 @dataclass(eq=False, slots=True)
 class _Batch:
     key: str
-    event: torch.cuda.Event
+    event: Copy
+    """Ends with the launch (`query`, `synchronize`); given back to its peer once done."""
     handles: list[IpcHandle]
+    failed: bool = False
+    """The launch ended in a CUDA error: its requests fail, no notif leaves."""
+
+    def ended(self) -> bool:
+        """Whether the launch ended (an error ends it too, as a failure)."""
+        try:
+            return self.event.query()
+        except (RuntimeError, KvHandoffError) as exc:
+            log.warning("IPC gather-scatter copy failed: %s", exc)
+            self.failed = True
+            return True
 
 
 @dataclass(slots=True)
@@ -101,6 +113,8 @@ class IpcStats:
     launches: int = 0
     opened_peers: int = 0
     refused_peers: dict[str, str] = field(default_factory=dict)
+    kernel: str = ""
+    """The gather-scatter kernel of the last opened peer ("cuda_core" or "triton")."""
 
 
 class IpcPushTransport:
@@ -115,9 +129,12 @@ class IpcPushTransport:
         launch_every: int = 0,
         notifier: bool = False,
         launch_at_flush: bool = False,
+        kernel: KernelChoice = "auto",
         clock: Callable[[], float] = real_clock,
     ) -> None:
         self.inner = inner
+        self.kernel: KernelChoice = kernel
+        """The gather-scatter kernel of opened peers (`ipc_peer.KernelChoice`)."""
         self.launch_every = launch_every
         """Queued WRITEs to one D rank that launch a kernel at once from `write_blocks`
         (copying while the writer still matches the pass's other requests); 0: never, all
@@ -153,7 +170,6 @@ class IpcPushTransport:
         self._mapped: dict[str, OpenedPeer] = {}  # the opened ranks' mappings
         self._queued: dict[str, list[IpcHandle]] = {}
         self._batches: list[_Batch] = []
-        self._stream: torch.cuda.Stream | None = None
         self._wake = threading.Condition(self._lock)
         self._notifier: threading.Thread | None = None
         self._closed = False
@@ -226,7 +242,10 @@ class IpcPushTransport:
         for handle in self._queued.pop(key, []):
             handle.xfer_status = "ERR"
         for batch in [b for b in self._batches if b.key == key]:
-            batch.event.synchronize()  # never unmap under a running kernel
+            try:
+                batch.event.synchronize()  # never unmap under a running kernel
+            except (RuntimeError, KvHandoffError) as exc:
+                log.warning("waiting for an IPC copy of %s failed: %s", key, exc)
             for handle in batch.handles:
                 handle.xfer_status = "ERR"
             self._batches.remove(batch)
@@ -255,13 +274,15 @@ class IpcPushTransport:
         try:
             from kvhandoff.adapters.cuda.ipc_peer import OpenedPeer
 
-            peer = OpenedPeer(decode_export(inst.ctx.export), self.inner.layout.slots, self.device)
+            export = decode_export(inst.ctx.export)
+            peer = OpenedPeer(export, self.inner.layout.slots, self.device, self.kernel)
         except Exception as exc:  # any reason at all: this rank stays on NIXL
             self.stats.refused_peers[key] = str(exc)
             log.warning("CUDA IPC to %s rank %d refused, using NIXL: %s", engine_id, rank, exc)
             self.bus.dispatch(IPC_PEER, key, MappingsRefused(str(exc)), now)
             return None
         self.stats.opened_peers += 1
+        self.stats.kernel = peer.kernel
         self._mapped[key] = peer
         self.bus.dispatch(IPC_PEER, key, MappingsOpened(), now)
         return peer
@@ -357,7 +378,7 @@ class IpcPushTransport:
         if handle.xfer_status == "PROC":
             with self._lock:
                 head = self._batches[0] if self._batches else None
-                ended = head is not None and head.event.query()  # type: ignore[no-untyped-call]
+                ended = head is not None and head.ended()
             if handle.batch is None or ended:
                 self._progress()
         return handle.xfer_status
@@ -385,6 +406,13 @@ class IpcPushTransport:
         """Launch what is queued and send the notifs of finished launches."""
         self._progress()
 
+    def progress(self) -> None:
+        """Main thread, first in every engine step: launch what is queued, send the
+        completion notifs of launches whose event fired (one event query when a launch
+        is in flight)."""
+        if self._queued or self._batches:
+            self._progress()
+
     def close(self) -> None:
         """Stop the notifier thread (the transport itself stays usable)."""
         with self._lock:
@@ -403,7 +431,11 @@ class IpcPushTransport:
                 if self._closed:
                     return
                 batch = self._batches[0]
-            batch.event.synchronize()
+            try:
+                batch.event.synchronize()
+            except (RuntimeError, KvHandoffError) as exc:
+                log.warning("IPC gather-scatter copy failed: %s", exc)
+                batch.failed = True
             with self._lock:
                 if self._batches and self._batches[0] is batch:
                     self._batches.pop(0)
@@ -423,14 +455,21 @@ class IpcPushTransport:
                 if handles and peer is not None:
                     self._launch(key, peer, handles)
             with self._lock:
-                while self._batches and self._batches[0].event.query():  # type: ignore[no-untyped-call]
+                while self._batches and self._batches[0].ended():
                     self._complete(self._batches.pop(0))
 
     def _complete(self, batch: _Batch) -> None:
         """The launch's event fired: its requests' completion notifs leave, as one bundle
         toward a D rank that speaks B-13 (a launch writes to one D rank)."""
+        peer = self._mapped.get(batch.key)
+        if peer is not None:
+            peer.retire(batch.event)
         live = [h for h in batch.handles if not h.released]
         if not live:
+            return
+        if batch.failed:
+            for handle in live:
+                handle.xfer_status = "ERR"
             return
         try:
             self.inner.send_notifs(live[0].engine_id, live[0].rank, [h.notif for h in live])
@@ -443,27 +482,18 @@ class IpcPushTransport:
             handle.xfer_status = state
 
     def _launch(self, key: str, peer: OpenedPeer, handles: list[IpcHandle]) -> None:
-        import torch
-
         if not handles:
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(peer.device)  # type: ignore[no-untyped-call]
-        stream = self._stream
         local = [b for h in handles for b in h.local_ids]
         remote = [b for h in handles for b in h.remote_ids]
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        with torch.cuda.device(peer.device), torch.cuda.stream(stream):
-            # P's KV was written on the engine's stream: copy only after it.
-            stream.wait_stream(torch.cuda.default_stream(peer.device))
-            try:
-                peer.launch(local, remote)
-            except (RuntimeError, IpcError) as exc:
-                log.warning("IPC gather-scatter launch failed: %s", exc)
-                for handle in handles:
-                    handle.xfer_status = "ERR"
-                return
-            event.record(stream)
+        try:
+            # On the peer's copy stream, after P's KV writes on the engine's stream.
+            event = peer.launch(local, remote)
+        except (RuntimeError, KvHandoffError) as exc:
+            log.warning("IPC gather-scatter launch failed: %s", exc)
+            for handle in handles:
+                handle.xfer_status = "ERR"
+            return
         batch = _Batch(key, event, handles)
         with self._lock:
             self.stats.launches += 1

@@ -368,6 +368,9 @@ class NixlPushTransport:
         """Post the WRITEs queued since the last flush, one transfer per D rank (B-13)."""
         return self.batcher.flush()
 
+    def progress(self) -> None:
+        """NIXL transfers progress on their own (the agent's progress thread or polls)."""
+
     def read_blocks(
         self,
         engine_id: str,

@@ -38,6 +38,9 @@ class _NullPeer:
         if len(local_ids) != len(remote_ids):
             raise ValueError("unequal block lists")
 
+    def retire(self, copy: object) -> None:
+        return None
+
 
 class _FiredEvent:
     def query(self) -> bool:
@@ -56,7 +59,7 @@ def _opened(self: IpcPushTransport, engine_id: str, rank: int) -> Any:
 def _launch(self: IpcPushTransport, key: str, peer: Any, handles: list[IpcHandle]) -> None:
     if not handles:
         return
-    batch = _Batch(key, _FiredEvent(), handles)  # type: ignore[arg-type]
+    batch = _Batch(key, _FiredEvent(), handles)
     with self._lock:
         self.stats.launches += 1
         for handle in handles:
@@ -109,9 +112,75 @@ def _profiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+_sends: list[float] = []
+
+
+def _note_sends() -> None:
+    """Record when completion notifs leave P (`send_notifs`) and add the first and last
+    of a rep to its `pushed` event (`t_notifs_first`, `t_notifs_last`)."""
+    from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
+
+    send_notifs = NixlPushTransport.send_notifs
+
+    def timed(self: NixlPushTransport, *args: Any, **kwargs: Any) -> Any:
+        _sends.append(time.monotonic())
+        return send_notifs(self, *args, **kwargs)
+
+    NixlPushTransport.send_notifs = timed  # type: ignore[method-assign]
+    emit = push_child.emit  # type: ignore[attr-defined]
+
+    def emit_with_sends(event: str, **fields: Any) -> None:
+        if event == "pushed":
+            fields.update(
+                t_notifs_first=min(_sends, default=None), t_notifs_last=max(_sends, default=None)
+            )
+            _sends.clear()
+        elif event == "prepared":
+            _sends.clear()
+        emit(event, **fields)
+
+    push_child.emit = emit_with_sends  # type: ignore[attr-defined]
+
+
+_passes: list[tuple[float, int]] = []
+
+
+def _trace_d_passes() -> None:
+    """D: when each writer pass took notifs during the timed window, and how many; the
+    gaps go into the `received` event (`pass_trace`: ms after the first notif)."""
+    from kvhandoff.adapters.push_rank_writer import RankWriterSide
+
+    writer_pass = RankWriterSide.writer_pass
+
+    def traced(self: RankWriterSide) -> int:
+        t = time.monotonic()
+        handled = writer_pass(self)
+        if _timing[0] and handled:
+            _passes.append((t, handled))
+        return handled
+
+    RankWriterSide.writer_pass = traced  # type: ignore[method-assign]
+    emit = push_child.emit  # type: ignore[attr-defined]
+
+    def emit_with_passes(event: str, **fields: Any) -> None:
+        if event == "received" and _passes:
+            t0 = fields.get("t_notif_first") or _passes[0][0]
+            trace = [(round((t - t0) * 1e3, 3), n) for t, n in _passes[-12:]]
+            recv = round((fields["t_last"] - t0) * 1e3, 3)
+            with open(os.environ["KVH_PROBE_TRACE"], "a") as out:
+                out.write(json.dumps({"passes": trace, "received_at": recv}) + "\n")
+        _passes.clear()
+        emit(event, **fields)
+
+    push_child.emit = emit_with_passes  # type: ignore[attr-defined]
+
+
 def main(argv: list[str]) -> int:
     IpcPushTransport._opened = _opened  # type: ignore[method-assign]
     IpcPushTransport._launch = _launch  # type: ignore[method-assign]
+    _note_sends()
+    if argv[0] == "decode" and os.environ.get("KVH_PROBE_TRACE"):
+        _trace_d_passes()
     role = argv[0]
     if _TIMERS:
         from kvhandoff.adapters.push_rank_writer import RankWriterSide

@@ -28,15 +28,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvhandoff.adapters.push_side import PushSide
-from kvhandoff.adapters.push_transport import EngineInfo, RankInfo, Routes, XferState
+from kvhandoff.adapters.push_transport import (
+    EngineInfo,
+    RankInfo,
+    Routes,
+    TransferHandle,
+    XferState,
+)
 from kvhandoff.machines.push.scheduler import LocalEngine
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
 from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
+from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 from kvhandoff.protocol.push_config import PushConfig
-from kvhandoff.protocol.push_wire import PushRegistration, encode_push_reg
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
+P_ENGINE = "bench-prefill"
 D_ENGINE = "bench-decode"
+P_AGENT = "bench-prefill-agent"
 D_AGENT = "bench-decode-agent"
 
 
@@ -47,15 +55,19 @@ class _Handle:
 
 
 @dataclass
-class _QueueingTransport:
-    """Connected to one D engine; WRITEs queue and are all DONE at the next poll."""
+class _MemoryTransport:
+    """One side's stand-in: connected to the other side from the start; notifs go
+    straight into the peer's inbox; WRITEs queue and are all DONE, their notifs sent, at
+    the next poll (as the CUDA IPC transport does after its launch)."""
 
+    engine_id: str
+    agent_name: str
+    peer_engine: str
+    peer_agent: str
     capacity: int
-    engine_id: str = "bench-prefill"
-    agent_name: str = "bench-prefill-agent"
+    peer: _MemoryTransport | None = None
     inbox: list[tuple[str, bytes]] = field(default_factory=list)
     queued: list[_Handle] = field(default_factory=list)
-    sent: int = 0
 
     def handshake_payload(self) -> HandshakePayload:
         raise LocalProtocolError("the probe serves no handshake")
@@ -66,24 +78,26 @@ class _QueueingTransport:
     def fetch_handshake(
         self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
     ) -> list[bytes]:
-        raise LocalProtocolError("the probe's D is connected from the start")
+        raise LocalProtocolError("the probe's peers are connected from the start")
 
     def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
-        raise LocalProtocolError("the probe's D is connected from the start")
+        raise LocalProtocolError("the probe's peers are connected from the start")
 
     def forget(self, engine_id: str) -> None:
         return None
 
     def engine(self, engine_id: str) -> EngineInfo | None:
-        if engine_id != D_ENGINE:
+        if engine_id != self.peer_engine:
             return None
-        return EngineInfo(D_ENGINE, 1, 1, frozenset(), (RankInfo(0, D_AGENT, 1, self.capacity),))
+        rank = RankInfo(0, self.peer_agent, 1, self.capacity)
+        return EngineInfo(self.peer_engine, 1, 1, frozenset(), (rank,))
 
     def identify(self, agent_name: str) -> tuple[str, int] | None:
-        return (D_ENGINE, 0) if agent_name == D_AGENT else None
+        return (self.peer_engine, 0) if agent_name == self.peer_agent else None
 
     def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
-        self.sent += 1
+        assert self.peer is not None
+        self.peer.inbox.append((self.agent_name, message))
 
     def get_new_notifs(self) -> list[tuple[str, bytes]]:
         inbox, self.inbox = self.inbox, []
@@ -104,7 +118,7 @@ class _QueueingTransport:
         self.queued.append(handle)
         return handle
 
-    def flush_writes(self) -> list[tuple[str, Exception]]:
+    def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
         return []
 
     def read_blocks(
@@ -117,89 +131,91 @@ class _QueueingTransport:
     ) -> _Handle:
         raise LocalProtocolError("the probe runs push mode")
 
-    def poll(self, handle: _Handle) -> XferState:
+    def poll(self, handle: TransferHandle) -> XferState:
+        assert isinstance(handle, _Handle)
         if self.queued:
             for queued in self.queued:
                 queued.xfer_status = "DONE"
-            self.sent += len(self.queued)
+                self.send_notif(self.peer_engine, 0, queued.notif)
             self.queued = []
         return handle.xfer_status
 
-    def release(self, handle: _Handle) -> None:
+    def progress(self) -> None:
+        return None
+
+    def release(self, handle: TransferHandle) -> None:
         return None
 
 
-def _registration(request_id: str, blocks: list[int]) -> PushRegistration:
-    return PushRegistration(
-        request_id=request_id,
-        decode_engine_id=D_ENGINE,
-        decode_host="127.0.0.1",
-        decode_port=5700,
-        decode_tp_size=1,
-        decode_tp_rank=0,
-        block_ids=tuple(blocks),
-        remote_engine_id="bench-prefill",
-        remote_host="127.0.0.1",
-        remote_port=5600,
-        remote_tp_size=1,
-    )
+PHASES = ("finish", "stage", "writer", "report", "d_writer", "d_step")
 
 
 def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
     capacity = requests * blocks_per_request
-    transport = _QueueingTransport(capacity)
-    side = PushSide(
-        "prefill",
-        LocalEngine("bench-prefill", "127.0.0.1", 5600),
-        transport,  # type: ignore[arg-type]
-        lambda job: None,
-        config=PushConfig(),
+    tp = _MemoryTransport(P_ENGINE, P_AGENT, D_ENGINE, D_AGENT, capacity)
+    td = _MemoryTransport(D_ENGINE, D_AGENT, P_ENGINE, P_AGENT, capacity)
+    tp.peer, td.peer = td, tp
+    config = PushConfig()
+    p = PushSide(
+        "prefill", LocalEngine(P_ENGINE, "127.0.0.1", 5600), tp, lambda job: None, config=config
     )
-    rank = side.ranks[0]
-    # The remote engine is connected as after a handshake (its machine too).
-    phases: dict[str, list[float]] = {"finish": [], "stage": [], "writer": [], "report": []}
+    d = PushSide(
+        "decode", LocalEngine(D_ENGINE, "127.0.0.1", 5700), td, lambda job: None, config=config
+    )
+    prefill = PrefillCoordinates(P_ENGINE, "127.0.0.1", 5600, 1)
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
     for rep in range(reps + 2):
-        ids = [f"cmpl-probe{rep:04d}{q:05d}-0-abcd1234" for q in range(requests)]
-        d_ids = [f"cmpl-probe{rep:04d}{q:05d}-0-ffff0000" for q in range(requests)]
+        client = [f"cmpl-probe{rep:04d}{q:05d}-0" for q in range(requests)]
         n = blocks_per_request
         p_blocks = [list(range(q * n, (q + 1) * n)) for q in range(requests)]
         d_blocks = list(reversed(p_blocks))
-        transport.inbox = [
-            (D_AGENT, encode_push_reg(_registration(d_id, d_blocks[q])))
-            for q, d_id in enumerate(d_ids)
-        ]
-        rank.writer_pass()
+        for q, cid in enumerate(client):  # D registers (untimed) ...
+            leg = decode_leg({"request_id": cid}, prefill)
+            d.update_state_after_alloc(f"{cid}-ffff0000", d_blocks[q], leg["kv_transfer_params"])
+        d.step()
+        d.writer_pass()
+        _connect(d.ranks[0])
+        d.writer_pass()
+        p.writer_pass()  # ... and P's writer holds the registrations
         t0 = time.perf_counter()
-        for q, rid in enumerate(ids):
-            side.request_finished(rid, p_blocks[q], {"do_remote_decode": True})
+        for q, cid in enumerate(client):
+            p.request_finished(f"{cid}-abcd1234", p_blocks[q], {"do_remote_decode": True})
         t1 = time.perf_counter()
-        meta = side.build_connector_meta()
-        rank.start_load_kv(meta)
+        rank = p.ranks[0]
+        rank.start_load_kv(p.build_connector_meta())
         t2 = time.perf_counter()
         rank.writer_pass()
         t3 = time.perf_counter()
-        _connect(rank)  # the first rep: D's remote engine connects as a handshake would
-        output = side.get_finished()
+        sent = set(p.get_finished().finished_sending)
         t4 = time.perf_counter()
-        sent = set(output.finished_sending)
-        while len(sent) < requests:  # the first step may only adopt the reports
-            sent |= set(side.step().finished_sending)
+        d.writer_pass()
+        t5 = time.perf_counter()
+        received = set(d.step().finished_recving)
+        t6 = time.perf_counter()
         if rep >= 2:
-            marks = (("finish", t0, t1), ("stage", t1, t2), ("writer", t2, t3), ("report", t3, t4))
-            for name, a, b in marks:
-                phases[name].append((b - a) * 1e6 / requests)
+            assert (len(sent), len(received)) == (requests, requests), (len(sent), len(received))
+        _connect(rank)  # the first rep: P's remote engine connects as a handshake would
+        while len(sent) < requests or len(received) < requests:  # warm-up reps
+            p.writer_pass()
+            sent |= set(p.step().finished_sending)
+            d.writer_pass()
+            received |= set(d.step().finished_recving)
+        if rep >= 2:
+            marks = (t0, t1, t2, t3, t4, t5, t6)
+            for i, name in enumerate(PHASES):
+                phases[name].append((marks[i + 1] - marks[i]) * 1e6 / requests)
     result = {name: round(statistics.median(v), 2) for name, v in phases.items()}
     result["total"] = round(sum(result.values()), 2)
     return result
 
 
 def _connect(rank: object) -> None:
+    """Complete a handshake the rank's writer started (the probe's peers are connected)."""
     from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 
     writer = rank.writer  # type: ignore[attr-defined]
-    inst = writer.bus.get(REMOTE_ENGINE, D_ENGINE)
-    if inst is not None and inst.has("deferring"):
-        writer.on_handshake_result(D_ENGINE, inst.ctx.attempt, True, writer.bus.now)
+    for inst in writer.bus.tagged(REMOTE_ENGINE, "deferring"):
+        writer.on_handshake_result(inst.key, inst.ctx.attempt, True, writer.bus.now)
         rank._execute(writer.bus.now)  # type: ignore[attr-defined]
 
 

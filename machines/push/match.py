@@ -43,7 +43,7 @@ from kvhandoff.machines.push.events import Matched, Revoked
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.machines.runtime.events import Event, PeerEvent
-from kvhandoff.protocol.tp_mapping import write_targets
+from kvhandoff.protocol.tp_mapping import target_ranks
 
 _SERVED_KEPT = 8  # exact D ids a tombstone remembers
 
@@ -105,7 +105,7 @@ class TombstoneExpired(Event):
 
 def needed(ctx: MatchCtx, decode_tp_size: int) -> frozenset[int]:
     """The D ranks this P rank writes into (R-T03)."""
-    return frozenset(t.d_rank for t in write_targets(ctx.p_tp, ctx.p_tp_rank, decode_tp_size))
+    return target_ranks(ctx.p_tp, ctx.p_tp_rank, decode_tp_size)
 
 
 # -- guards ----------------------------------------------------------------------------

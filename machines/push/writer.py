@@ -135,6 +135,7 @@ class PushWriter:
         self.pending_count = 0
         self.pending_blocks = 0
         self._awaiting: set[str] = set()  # slots whose blocks wait for PUSH_REGs (R-P07)
+        self._heard: set[str] = set()  # engines heard from since the last `advance` (B-11)
         self._effects: list[Effect] = []
         bus = self.bus
         for effect_type in _COLLECTED:
@@ -155,6 +156,11 @@ class PushWriter:
         """The effects produced since the last call, in order."""
         effects, self._effects = self._effects, []
         return effects
+
+    @property
+    def has_effects(self) -> bool:
+        """Whether `take_effects` would return any."""
+        return bool(self._effects)
 
     def awaiting_registration(self) -> bool:
         return bool(self._awaiting)
@@ -207,8 +213,15 @@ class PushWriter:
 
     def on_issued(self, p_request_id: str, now: float) -> None:
         """The push of `p_request_id` was posted or failed to post."""
-        if self.bus.get(MATCH, get_base_request_id(p_request_id)) is not None:
-            self._to_slot(p_request_id, Issued(p_request_id))
+        base = get_base_request_id(p_request_id)
+        bus = self.bus
+        inst = bus.get(MATCH, base)
+        if inst is not None:
+            bus.dispatch(MATCH, base, Issued(p_request_id), bus.now)
+            if inst.has("awaiting_registration"):  # never a final state's tag: live
+                self._awaiting.add(base)
+            else:
+                self._awaiting.discard(base)
             self._update_self_poll()
 
     def retry(self, op: ReplayPush, now: float) -> None:
@@ -217,8 +230,14 @@ class PushWriter:
 
     def advance(self, now: float) -> None:
         """Fire what is due by `now` (pending registrations, tombstones, handshakes,
-        idle engines)."""
+        idle engines), then keep every engine heard from since the last call alive (B-11:
+        one `Touch` per engine and pass, however many notifs it sent; the writer pass
+        ends with this call, at the time its notifs were taken)."""
         self.bus.advance(now)
+        if self._heard:
+            for engine_id in self._heard:
+                self._touch(engine_id, now)
+            self._heard.clear()
         self._update_self_poll()
 
     def on_notif(self, peer: str, identity: Identity, data: bytes, now: float) -> None:
@@ -232,7 +251,7 @@ class PushWriter:
             notif = parse_notif(data, peer=peer)
             engine, rank = identity if identity is not None else (None, None)
             if engine is not None:
-                self._touch(engine, now)
+                self._heard.add(engine)  # kept alive once per pass, by `advance`
             if isinstance(notif, PushRegNotif):
                 if self.role != "prefill" or self.mode != "push":
                     raise RemoteProtocolError(f"PUSH_REG sent to a {self.role} instance")
@@ -315,7 +334,7 @@ class PushWriter:
             ctx = MatchCtx(base, p_tp=self.config.tp_size, p_tp_rank=self.tp_rank)
             inst = bus.create(MATCH, ctx, bus.now)
         bus.dispatch(MATCH, base, event, bus.now)
-        if bus.get(MATCH, base) is not None and inst.has("awaiting_registration"):
+        if inst.has("awaiting_registration"):  # never a final state's tag: live
             self._awaiting.add(base)
         else:
             self._awaiting.discard(base)

@@ -251,6 +251,9 @@ class SimPushTransport:
         """B-13: one transfer per D agent for the WRITEs queued since the last flush."""
         return self.batcher.flush()
 
+    def progress(self) -> None:
+        """The network delivers transfers when the world says so: nothing to do here."""
+
     def read_blocks(
         self,
         engine_id: str,
