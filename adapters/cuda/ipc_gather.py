@@ -163,8 +163,8 @@ class LaunchSlot:
 
 
 class GatherLaunches:
-    """One opened D rank's launches (see the module docstring). Not thread-safe: the
-    IPC transport launches under its launch lock."""
+    """One opened D rank's launches (see the module docstring). The IPC transport
+    launches under its launch lock; slots may be given back from another thread."""
 
     def __init__(
         self,
@@ -198,6 +198,7 @@ class GatherLaunches:
         self._params = int(self._pointers.ctypes.data)
         self._free: list[LaunchSlot] = []
         self._slots: list[LaunchSlot] = []
+        self._pool_lock = threading.Lock()
         self._threads: set[int] = set()
         self._record: Any = rt.cudaEventRecord
         self._query: Any = rt.cudaEventQuery
@@ -233,20 +234,23 @@ class GatherLaunches:
         return slot
 
     def _take(self, n: int) -> LaunchSlot:
-        while self._free:
-            slot = self._free.pop()
-            if slot.capacity >= n:
-                return slot
-            self._slots.remove(slot)  # too small for this launch: replaced
-            self.runtime.destroy_event(slot.event)
+        with self._pool_lock:
+            while self._free:
+                slot = self._free.pop()
+                if slot.capacity >= n:
+                    return slot
+                self._slots.remove(slot)  # too small for this launch: replaced
+                self.runtime.destroy_event(slot.event)
         slot = LaunchSlot(self, max(n, 1024))
-        self._slots.append(slot)
+        with self._pool_lock:
+            self._slots.append(slot)
         return slot
 
     def retire(self, slot: LaunchSlot) -> None:
         """The slot's launch ended and its requests were completed: reusable."""
-        if slot in self._slots and slot not in self._free:
-            self._free.append(slot)
+        with self._pool_lock:
+            if slot in self._slots and slot not in self._free:
+                self._free.append(slot)
 
     def query(self, event: int) -> bool:
         err = self._query(event)[0]
