@@ -169,7 +169,8 @@ class PushRank(RankWriterSide):
             items: list[WriterItem] = []
             while pending:
                 items.append(pending.popleft())
-            self.worker.take_writer_items(items, now)
+            # The transport progresses between chunks of reports (IPC completions).
+            self.worker.take_writer_items(items, now, self.transport.progress)
 
     def _register_main_handlers(self) -> None:
         bus = self.bus

@@ -71,6 +71,9 @@ log = logging.getLogger("kvhandoff.push.worker")
 
 WriterItem = ForwardToMain | ReportToMain
 
+REPORTS_BETWEEN = 8
+"""Writer reports applied between two calls of `take_writer_items`'s `between`."""
+
 RANK_KINDS: tuple[Declaration[Any], ...] = (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE)
 """Every lifecycle on a rank's main-thread bus."""
 
@@ -209,13 +212,24 @@ class PushWorker:
 
     # -- the pending-completion-notifs queue (R-P08) -------------------------------------
 
-    def take_writer_items(self, items: Iterable[WriterItem], now: float) -> None:
+    def take_writer_items(
+        self,
+        items: Iterable[WriterItem],
+        now: float,
+        between: Callable[[], None] | None = None,
+    ) -> None:
         """Apply the writer's reports (before time moves on), then the peers' notifs at
-        `now`; their outcomes are reported by the next `get_finished`."""
+        `now`; their outcomes are reported by the next `get_finished`. `between` (the
+        rank's transport, optional) runs after every `REPORTS_BETWEEN` reports: a long
+        batch of reports does not hold back transfers the transport completes itself."""
         notifs: list[ForwardToMain] = []
+        taken = 0
         for item in items:
             if isinstance(item, ReportToMain):
                 self._on_report(item, now)
+                taken += 1
+                if between is not None and taken % REPORTS_BETWEEN == 0:
+                    between()
             else:
                 notifs.append(item)
         if not notifs:
