@@ -30,8 +30,9 @@ the first on the NIXL path (`ratio_vs_raw_per_request`).
 
 Between commands both processes keep stepping their connector like an idle engine, so
 D's PUSH_REGs reach P's writer before P finishes its requests, as in a deployment where D
-registers while P computes the prefill. Both processes read `time.monotonic()`, one
-system-wide clock on Linux.
+registers while P computes the prefill; P finishes the rep's requests only once its writer
+holds a registration for each of them (the wait is not timed). Both processes read
+`time.monotonic()`, one system-wide clock on Linux.
 
 This module is the parent; the measured configuration and KV are in `push_kv.py`, one
 side's process in `push_node.py` and `push_child.py`.

@@ -39,7 +39,7 @@ from kvhandoff.protocol.push_wire import (
     decode_push_reg,
     encode_push_reg,
 )
-from kvhandoff.protocol.request_ids import get_base_request_id
+from kvhandoff.protocol.request_ids import _WITH_SUFFIX, get_base_request_id
 
 PEER = "peer-under-test"
 
@@ -70,6 +70,22 @@ def test_R_P04_base_id_keeps_completion_index() -> None:
 )
 def test_R_P04_base_id_leaves_other_ids_unchanged(request_id: str) -> None:
     assert get_base_request_id(request_id) == request_id
+
+
+@given(
+    st.one_of(
+        st.text(),
+        st.builds(
+            lambda head, tail: f"{head}-{tail}",
+            st.text(max_size=12),
+            st.text(alphabet="0123456789abcdefABCDEFg\n\u0660x", min_size=7, max_size=9),
+        ),
+    )
+)
+def test_R_P04_base_id_follows_the_suffix_pattern(request_id: str) -> None:
+    """The hand-written rule is the pattern's: `(.+)-<8 hex>` matched whole, ASCII hex."""
+    match = _WITH_SUFFIX.fullmatch(request_id)
+    assert get_base_request_id(request_id) == (match.group(1) if match else request_id)
 
 
 def test_C_01_base_id_strips_hex_of_either_case_like_vllm() -> None:

@@ -137,22 +137,25 @@ class IpcPushTransport:
         """The gather-scatter kernel of opened peers (`ipc_peer.KernelChoice`)."""
         self.launch_every = launch_every
         """Queued WRITEs to one D rank that launch a kernel at once from `write_blocks`
-        (copying while the writer still matches the pass's other requests); 0: never, all
-        of a pass launch at the next `poll` / `get_new_notifs` (measured best on the H200,
-        bench/RESULTS.md)."""
+        (copying while the writer still matches the pass's other requests; the writer only
+        launches, completions stay with `progress` / `poll`); 0: never, a pass's WRITEs
+        launch at the next `progress` / `poll` / `get_new_notifs`. With the cuda.core
+        kernel 4, 8 and 16 measured within the noise of 0 on the H200, the launches'
+        host time eating the overlap (bench/RESULTS.md): 0 stays the default."""
         self._use_notifier = notifier
         """Send completion notifs from a thread waiting on each launch's event instead of
         at the next `poll` / `get_new_notifs` (off: it measured slower)."""
         self.launch_at_flush = launch_at_flush
         """Launch a pass's queued WRITEs from the writer when the pass ends (`flush_writes`)
-        instead of at the next `poll` / `get_new_notifs` (measured no better)."""
+        instead of at the next `progress` / `poll` / `get_new_notifs` (measured no better,
+        with either kernel)."""
         self.engine_id = inner.engine_id
         self.device = device
         self.stats = IpcStats()
         self._lock = threading.RLock()
         """Guards the queues, batches, offers and the peer bus; held only briefly, so a
         writer queueing a WRITE never waits behind a launch."""
-        self._launch_lock = threading.Lock()
+        self._launch_lock = threading.RLock()
         """Held while launching and while unmapping a peer (never unmap under a launch, and
         a release waits for a launch in progress). Lock order: `_launch_lock`, then `_lock`."""
         self._export: bytes | None = None
@@ -366,7 +369,7 @@ class IpcPushTransport:
             self.stats.ipc_writes += 1
             full = bool(self.launch_every) and len(queue) >= self.launch_every
         if full:
-            self._progress()
+            self._launch_queued()  # only launch: completions are the main thread's
         return handle
 
     def poll(self, handle: TransferHandle) -> XferState:
@@ -395,11 +398,11 @@ class IpcPushTransport:
 
     def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
         """End of a writer pass: post the WRITEs queued on NIXL, one transfer per D rank
-        (B-13). Queued IPC WRITEs launch at the next `poll` or `get_new_notifs`: launching
-        here, from the writer (`launch_at_flush`), measured no better on the H200
-        (bench/RESULTS.md)."""
+        (B-13). Queued IPC WRITEs launch at the next `progress`, `poll` or
+        `get_new_notifs`: launching here, from the writer (`launch_at_flush`), measured no
+        better on the H200 (bench/RESULTS.md)."""
         if self.launch_at_flush and self._queued:
-            self._progress()
+            self._launch_queued()
         return self.inner.flush_writes()
 
     def flush(self) -> None:
@@ -442,8 +445,17 @@ class IpcPushTransport:
                     self._complete(batch)
 
     def _progress(self) -> None:
-        """Launch what is queued (under `_launch_lock` only: the writer keeps queueing),
-        then complete the launches whose event fired, in order."""
+        """Launch what is queued, then complete the launches whose event fired, in
+        order."""
+        with self._launch_lock:
+            self._launch_queued()
+            with self._lock:
+                while self._batches and self._batches[0].ended():
+                    self._complete(self._batches.pop(0))
+
+    def _launch_queued(self) -> None:
+        """Launch every queued WRITE, one kernel per D rank (the queue lock is held only
+        to take the queues: the writer keeps queueing meanwhile)."""
         with self._launch_lock:
             with self._lock:
                 work = [
@@ -454,9 +466,6 @@ class IpcPushTransport:
                 handles = [h for h in queued if not h.released]  # a release waits for us
                 if handles and peer is not None:
                     self._launch(key, peer, handles)
-            with self._lock:
-                while self._batches and self._batches[0].ended():
-                    self._complete(self._batches.pop(0))
 
     def _complete(self, batch: _Batch) -> None:
         """The launch's event fired: its requests' completion notifs leave, as one bundle

@@ -41,6 +41,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "progress_thread": False,
         "ucx_sgl": True,
     },
+    # the CUDA IPC path on the layer layout, fewer and larger requests (the same 1 GiB):
+    # how the framework's per-request host cost scales out
+    "ipc": {"transport": "cuda_ipc", "ucx_sgl": True, "diagnose": False},
+    "ipc_req16": {"transport": "cuda_ipc", "requests": 16, "ucx_sgl": True, "diagnose": False},
+    "ipc_req8": {"transport": "cuda_ipc", "requests": 8, "ucx_sgl": True, "diagnose": False},
+    "ipc_req4": {"transport": "cuda_ipc", "requests": 4, "ucx_sgl": True, "diagnose": False},
 }
 
 
@@ -54,9 +60,8 @@ def main() -> int:
     rows = []
     for name in args.variants.split(","):
         overrides = VARIANTS[name]
-        cfg = replace(
-            PushBenchConfig(), device=args.device, reps=args.reps, diagnose=True, **overrides
-        )
+        settings: dict[str, Any] = {"diagnose": True, **overrides}
+        cfg = replace(PushBenchConfig(), device=args.device, reps=args.reps, **settings)
         started = time.monotonic()
         try:
 
