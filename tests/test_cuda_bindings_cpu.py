@@ -89,3 +89,14 @@ def test_row_kernels_without_a_gpu_give_a_reason() -> None:
     reason = RowKernels.load(99)
     assert isinstance(reason, str) and reason.startswith("row kernels unavailable")
     RowKernels._loaded.pop(99, None)
+
+
+def test_gather_kernel_without_a_gpu_gives_a_reason() -> None:
+    """Issue 18: the IPC path's cuda.core kernel, like the row kernels, answers with why it
+    cannot load (the caller then keeps the Triton kernel); nothing raises."""
+    from kvhandoff.adapters.cuda.ipc_gather import GatherKernel
+
+    GatherKernel._loaded.pop(99, None)
+    reason = GatherKernel.load(99)
+    assert isinstance(reason, str) and "gather kernel" in reason
+    GatherKernel._loaded.pop(99, None)

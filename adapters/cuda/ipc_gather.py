@@ -32,9 +32,8 @@ from typing import Any, ClassVar, Final
 import numpy as np
 import torch
 
-from kvhandoff.adapters.cuda import bindings
 from kvhandoff.adapters.cuda.bindings import CudaError
-from kvhandoff.adapters.cuda.row_kernel import _function
+from kvhandoff.adapters.cuda.kernels import BoundKernels, compile_cubin
 from kvhandoff.adapters.cuda.runtime import CudaRuntime
 
 __all__ = ["GatherKernel", "GatherLaunches", "LaunchSlot"]
@@ -85,15 +84,9 @@ class GatherKernel:
     _loaded: ClassVar[dict[int, GatherKernel | str]] = {}
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, drv: Any, context: Any, function: object, device: int) -> None:
+    def __init__(self, bound: BoundKernels, device: int) -> None:
+        self.bound = bound
         self.device = device
-        self.context = context
-        self.context_id = bindings.as_int(context)
-        self.function = function
-        self._success: object = drv.CUresult.CUDA_SUCCESS
-        self._launch: Any = drv.cuLaunchKernel
-        self._current: Any = drv.cuCtxGetCurrent
-        self._set_current: Any = drv.cuCtxSetCurrent
 
     @classmethod
     def load(cls, device: int) -> GatherKernel | str:
@@ -102,39 +95,18 @@ class GatherKernel:
             known = cls._loaded.get(device)
             if known is None:
                 try:
-                    known = cls._load(device)
+                    arch = torch.cuda.get_device_capability(device)
+                    code = compile_cubin(_SOURCE, arch, "gather kernel")
+                    bound = BoundKernels.bind(code, device, (_NAME,))
+                    known = bound if isinstance(bound, str) else cls(bound, device)
                 except Exception as exc:  # cuda.core / NVRTC errors have no common base
                     known = f"the cuda.core gather kernel is unavailable: {exc}"
                 cls._loaded[device] = known
             return known
 
-    @classmethod
-    def _load(cls, device: int) -> GatherKernel | str:
-        core = bindings.core()
-        if core is None:
-            return f"the gather kernel {bindings.MISSING} (cuda.core)"
-        drv = bindings.driver()
-        major, minor = torch.cuda.get_device_capability(device)
-        options = core.ProgramOptions(arch=f"sm_{major}{minor}", std="c++17")
-        code = core.Program(_SOURCE, code_type="c++", options=options).compile("cubin")
-        with torch.cuda.device(device):
-            torch.cuda.current_stream().synchronize()  # the primary context is current
-            (context,) = bindings.call(drv, "cuCtxGetCurrent")
-            if not bindings.as_int(context):
-                return "no current CUDA context for the driver API"
-            function = _function(drv, code, _NAME)
-        return cls(drv, context, function, device)
-
     def launch(self, blocks: int, regions: int, stream: int, params: int) -> None:
         """One `cuLaunchKernel` over `(blocks, regions)` on `stream`."""
-        err, current = self._current()
-        if err != self._success or int(current) != self.context_id:
-            self._set_current(self.context)  # a thread that has not used this device yet
-        result = self._launch(
-            self.function, blocks, regions, 1, THREADS, 1, 1, 0, stream, params, 0
-        )
-        if result[0] != self._success:
-            raise CudaError(f"cuLaunchKernel failed with CUDA error {result[0]!r}")
+        self.bound.launch(_NAME, (blocks, regions), THREADS, stream, params)
 
 
 class LaunchSlot:

@@ -19,13 +19,12 @@ cuda.core `Stream` or building a `LaunchConfig` per launch.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Final
+from typing import ClassVar, Final
 
 import numpy as np
 import torch
 
-from kvhandoff.adapters.cuda import bindings
-from kvhandoff.adapters.cuda.bindings import CudaError
+from kvhandoff.adapters.cuda.kernels import BoundKernels, compile_cubin
 
 __all__ = ["RowKernels", "RowLaunch"]
 
@@ -94,25 +93,7 @@ _NAMES: Final[tuple[str, ...]] = tuple(f"kvh_rows{word}" for word in _ROW_WORDS)
 def _compile_row_kernels(arch: tuple[int, int]) -> object:
     """The row-copy kernels as `cuda.core` object code (a cubin) for `sm_<arch>`, compiled
     by NVRTC (no GPU needed); raises where cuda.core or NVRTC is missing or fails."""
-    core = bindings.core()
-    if core is None:
-        raise CudaError(f"the row kernel {bindings.MISSING} (cuda.core)")
-    options = core.ProgramOptions(arch=f"sm_{arch[0]}{arch[1]}", std="c++17")
-    program = core.Program(_ROW_KERNEL_SOURCE, code_type="c++", options=options)
-    return program.compile("cubin")
-
-
-def _function(drv: Any, code: Any, name: str) -> object:
-    """`name` of the object code as a CUfunction of the current (primary) context."""
-    kernel = code.get_kernel(name)
-    handle = getattr(kernel, "handle", None)
-    if handle is None:
-        handle = kernel._handle  # cuda.core before 0.2
-    address = bindings.as_int(handle)
-    if "CUfunction" in type(handle).__name__:  # loaded as a module (old drivers)
-        return drv.CUfunction(address)
-    (function,) = bindings.call(drv, "cuKernelGetFunction", drv.CUkernel(address))
-    return function
+    return compile_cubin(_ROW_KERNEL_SOURCE, arch, "row kernel")
 
 
 class RowKernels:
@@ -121,14 +102,10 @@ class RowKernels:
     _loaded: ClassVar[dict[int, RowKernels | str]] = {}
     _images: ClassVar[dict[tuple[int, int], object]] = {}  # cuda.core ObjectCode per arch
 
-    def __init__(self, drv: Any, context: Any, functions: dict[str, object]) -> None:
-        self.context = context
-        self.context_id = bindings.as_int(context)
-        self.functions = functions
-        self._success: object = drv.CUresult.CUDA_SUCCESS
-        self._launch: Any = drv.cuLaunchKernel
-        self._current: Any = drv.cuCtxGetCurrent
-        self._set_current: Any = drv.cuCtxSetCurrent
+    def __init__(self, bound: BoundKernels) -> None:
+        self.bound = bound
+        self.context = bound.context
+        self.functions = bound.functions
 
     @classmethod
     def load(cls, device_index: int) -> RowKernels | str:
@@ -146,28 +123,16 @@ class RowKernels:
 
     @classmethod
     def _load(cls, device_index: int) -> RowKernels | str:
-        drv = bindings.driver()
         arch = torch.cuda.get_device_capability(device_index)
         code = cls._images.get(arch)
         if code is None:
             code = cls._images[arch] = _compile_row_kernels(arch)
-        with torch.cuda.device(device_index):
-            torch.cuda.current_stream().synchronize()  # the primary context is current
-            (context,) = bindings.call(drv, "cuCtxGetCurrent")
-            if not bindings.as_int(context):
-                return "no current CUDA context for the driver API"
-            functions = {name: _function(drv, code, name) for name in _NAMES}
-        return cls(drv, context, functions)
+        bound = BoundKernels.bind(code, device_index, _NAMES)
+        return bound if isinstance(bound, str) else cls(bound)
 
     def launch(self, name: str, blocks: int, threads: int, stream: int, params: int) -> None:
         """One `cuLaunchKernel` of `name` on `stream` with the argument block at `params`."""
-        err, current = self._current()
-        if err != self._success or int(current) != self.context_id:
-            self._set_current(self.context)  # a thread that has not used this device yet
-        fn = self.functions[name]
-        err = self._launch(fn, blocks, 1, 1, threads, 1, 1, 0, stream, params, 0)[0]
-        if err != self._success:
-            raise CudaError(f"cuLaunchKernel failed with CUDA error {err!r}")
+        self.bound.launch(name, (blocks, 1), threads, stream, params)
 
 
 class RowLaunch:
