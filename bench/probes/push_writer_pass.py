@@ -55,7 +55,7 @@ class _Handle:
 
 
 @dataclass
-class _MemoryTransport:
+class MemoryTransport:
     """One side's stand-in: connected to the other side from the start; notifs go
     straight into the peer's inbox; WRITEs queue and are all DONE, their notifs sent, at
     the next poll (as the CUDA IPC transport does after its launch)."""
@@ -65,7 +65,7 @@ class _MemoryTransport:
     peer_engine: str
     peer_agent: str
     capacity: int
-    peer: _MemoryTransport | None = None
+    peer: MemoryTransport | None = None
     inbox: list[tuple[str, bytes]] = field(default_factory=list)
     queued: list[_Handle] = field(default_factory=list)
 
@@ -152,8 +152,8 @@ PHASES = ("finish", "stage", "writer", "report", "d_writer", "d_step")
 
 def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
     capacity = requests * blocks_per_request
-    tp = _MemoryTransport(P_ENGINE, P_AGENT, D_ENGINE, D_AGENT, capacity)
-    td = _MemoryTransport(D_ENGINE, D_AGENT, P_ENGINE, P_AGENT, capacity)
+    tp = MemoryTransport(P_ENGINE, P_AGENT, D_ENGINE, D_AGENT, capacity)
+    td = MemoryTransport(D_ENGINE, D_AGENT, P_ENGINE, P_AGENT, capacity)
     tp.peer, td.peer = td, tp
     config = PushConfig()
     p = PushSide(
@@ -174,7 +174,7 @@ def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
             d.update_state_after_alloc(f"{cid}-ffff0000", d_blocks[q], leg["kv_transfer_params"])
         d.step()
         d.writer_pass()
-        _connect(d.ranks[0])
+        connect_deferred(d.ranks[0])
         d.writer_pass()
         p.writer_pass()  # ... and P's writer holds the registrations
         t0 = time.perf_counter()
@@ -194,7 +194,7 @@ def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
         t6 = time.perf_counter()
         if rep >= 2:
             assert (len(sent), len(received)) == (requests, requests), (len(sent), len(received))
-        _connect(rank)  # the first rep: P's remote engine connects as a handshake would
+        connect_deferred(rank)  # first rep: P's remote engine connects, as a handshake would
         while len(sent) < requests or len(received) < requests:  # warm-up reps
             p.writer_pass()
             sent |= set(p.step().finished_sending)
@@ -209,7 +209,7 @@ def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
     return result
 
 
-def _connect(rank: object) -> None:
+def connect_deferred(rank: object) -> None:
     """Complete a handshake the rank's writer started (the probe's peers are connected)."""
     from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 

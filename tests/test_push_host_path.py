@@ -1,0 +1,130 @@
+"""The push path's host-side ordering (issue 18): when the engine step lets its transport
+progress, and how often a peer's notifs keep its engine alive.
+
+- B-12: a transport that completes transfers itself (the CUDA IPC path) progresses first
+  in every engine step, before the writer's reports are applied, and again after every
+  `REPORTS_BETWEEN` of them, so a copy that ended while the step works through a long
+  batch of reports completes without waiting for the next step.
+- B-11: every notif from an engine keeps it alive; a writer pass that took many of them
+  extends the engine's idle deadline once, at the pass's time.
+"""
+
+from __future__ import annotations
+
+from push_harness import D_ENGINE, P_ENGINE, writer
+
+from kvhandoff.adapters.push_side import PushSide
+from kvhandoff.bench.probes.push_writer_pass import (
+    D_AGENT,
+    P_AGENT,
+    MemoryTransport,
+    connect_deferred,
+)
+from kvhandoff.machines.push.effects import SendRegistration, StartHandshake
+from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
+from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
+from kvhandoff.machines.push.worker import REPORTS_BETWEEN, PushWorker
+from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
+from kvhandoff.protocol.notifs import encode_completion_notif
+from kvhandoff.protocol.push_config import PushConfig
+
+REQUESTS = 20
+
+
+class _Recording(MemoryTransport):
+    """The in-memory transport, noting how many writer reports the rank had applied each
+    time the engine step let it progress."""
+
+    def __init__(self, *args: object, applied: list[int]) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.applied = applied
+        self.progressed_at: list[int] = []
+
+    def progress(self) -> None:
+        self.progressed_at.append(self.applied[0])
+
+
+def _pair() -> tuple[PushSide, PushSide, _Recording, list[int]]:
+    applied = [0]
+    tp = _Recording("P", P_AGENT, "D", D_AGENT, 1024, applied=applied)
+    td = MemoryTransport("D", D_AGENT, "P", P_AGENT, 1024)
+    tp.peer, td.peer = td, tp
+    p = PushSide("prefill", LocalEngine("P", "127.0.0.1", 5600), tp, lambda job: None)
+    d = PushSide("decode", LocalEngine("D", "127.0.0.1", 5700), td, lambda job: None)
+    return p, d, tp, applied
+
+
+def test_B_12_the_transport_progresses_first_and_between_chunks_of_reports(
+    monkeypatch: object,
+) -> None:
+    p, d, tp, applied = _pair()
+    on_report = PushWorker._on_report
+
+    def counting(self: PushWorker, item: object, now: float) -> None:
+        applied[0] += 1
+        on_report(self, item, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PushWorker, "_on_report", counting)  # type: ignore[attr-defined]
+    prefill = PrefillCoordinates("P", "127.0.0.1", 5600, 1)
+    for q in range(REQUESTS):
+        leg = decode_leg({"request_id": f"cmpl-r{q}-0"}, prefill)
+        d.update_state_after_alloc(f"cmpl-r{q}-0-ffff0000", [q], leg["kv_transfer_params"])
+    d.step()
+    d.writer_pass()
+    connect_deferred(d.ranks[0])
+    d.writer_pass()  # every PUSH_REG left D ...
+    p.writer_pass()  # ... and P's writer holds them
+    for q in range(REQUESTS):
+        p.request_finished(f"cmpl-r{q}-0-abcd1234", [q], {"do_remote_decode": True})
+    p.step()  # hands the blocks over
+    p.writer_pass()  # matches, and meets P's remote engine for D: a handshake
+    connect_deferred(p.ranks[0])  # which succeeds: every WRITE is issued
+    reports = len(p.ranks[0].pending_completion_notifs)
+    assert reports >= 2 * REQUESTS  # matched and posted, for each request
+    tp.progressed_at.clear()
+    before = applied[0]
+    sent = set(p.step().finished_sending)
+    seen = [n - before for n in tp.progressed_at]
+    assert seen[0] == 0, "progress comes before any report is applied"
+    chunks = [n for n in seen if n > 0]
+    assert chunks[: reports // REPORTS_BETWEEN] == [
+        REPORTS_BETWEEN * k for k in range(1, reports // REPORTS_BETWEEN + 1)
+    ]
+    received: set[str] = set()
+    for _ in range(10):  # the pair still completes every request
+        sent |= set(p.step().finished_sending)
+        d.writer_pass()
+        received |= set(d.step().finished_recving)
+    assert len(sent) == len(received) == REQUESTS
+
+
+def test_B_11_a_pass_of_many_notifs_keeps_their_engine_alive_once() -> None:
+    """D's writer: P's completion notifs keep P's engine alive (its idle deadline moves to
+    the pass's time plus `engine_ttl`), with one `Touch` however many notifs it sent."""
+    config = PushConfig()
+    w = writer("decode")
+    prefill = PrefillCoordinates(P_ENGINE.engine_id, P_ENGINE.host, P_ENGINE.port, 1)
+    leg = decode_leg({"request_id": "cmpl-x-0"}, prefill)
+    scheduler = PushScheduler("decode", D_ENGINE, config, now=0.0)
+    scheduler.update_state_after_alloc("cmpl-x-0-ffff0000", [1], leg["kv_transfer_params"], 0.0)
+    registration = scheduler.build_connector_meta(0.0).push_registrations["cmpl-x-0-ffff0000"]
+    w.on_command(SendRegistration("cmpl-x-0-ffff0000", registration), 0.0)
+    (start,) = [e for e in w.take_effects() if isinstance(e, StartHandshake)]
+    w.on_handshake_result(P_ENGINE.engine_id, start.attempt, True, 1.0)
+    w.take_effects()
+    ttl = config.engine_ttl
+    assert w.bus.deadline_of(REMOTE_ENGINE, P_ENGINE.engine_id) == 1.0 + ttl
+    touches: list[str] = []
+    touch = w._touch
+
+    def counted(engine_id: str, now: float) -> None:
+        touches.append(engine_id)
+        touch(engine_id, now)
+
+    w._touch = counted  # type: ignore[method-assign]
+    for q in range(5):
+        notif = encode_completion_notif(f"cmpl-x{q}-0-ffff0000", 1)
+        w.on_notif("prefill-0-agent1", (P_ENGINE.engine_id, 0), notif, 50.0)
+    w.advance(50.0)  # the writer pass ends
+    assert touches == [P_ENGINE.engine_id]
+    assert w.bus.deadline_of(REMOTE_ENGINE, P_ENGINE.engine_id) == 50.0 + ttl
