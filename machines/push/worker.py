@@ -203,11 +203,18 @@ class PushWorker:
         output = self._output
         output.step = self.step
         output.ended = tuple(self._output_ended)
+        output.finished_sending = tuple(self._sending)
+        output.finished_recving = tuple(self._recving)
+        output.posted = tuple(self._posted)
         self._output = self._fresh_output()
         return output
 
     def _fresh_output(self) -> PushWorkerOutput:
+        # Appended to during the step, made tuples by `get_finished` (not tuple + tuple).
         self._output_ended: list[str] = []
+        self._sending: list[str] = []
+        self._recving: list[str] = []
+        self._posted: list[str] = []
         return PushWorkerOutput(rank=self.rank, step=self.step)
 
     # -- the pending-completion-notifs queue (R-P08) -------------------------------------
@@ -295,19 +302,19 @@ class PushWorker:
     # -- reports to the scheduler --------------------------------------------------------
 
     def _on_finished_recving(self, _inst: Instance[object], effect: ReportFinishedRecving) -> None:
-        self._output.finished_recving += (effect.request_id,)
+        self._recving.append(effect.request_id)
 
     def _on_failed_recving(self, _inst: Instance[object], effect: ReportFailedRecving) -> None:
         self._output.failed_recving[effect.request_id] = effect.reason
 
     def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
-        self._output.finished_sending += (effect.request_id,)
+        self._sending.append(effect.request_id)
 
     def _on_ended(self, _inst: Instance[object], effect: ReportEnded) -> None:
         self._output_ended.append(effect.request_id)
 
     def _on_posted(self, _inst: Instance[object], effect: ReportPosted) -> None:
-        self._output.posted += (effect.request_id,)
+        self._posted.append(effect.request_id)
 
     def _on_failure(self, _inst: Instance[object] | None, effect: CountFailure) -> None:
         cause = effect.cause if effect.cause in FAILURE_CAUSES else "post"
