@@ -9,7 +9,8 @@ tp_rank``): `connect` loads the agents of every rank of a remote engine (from th
 `EngineHandshake` its side channel served) and prepares descriptors for the ranks this
 rank moves data with, each cut into the chunks the TP mapping asks for (R-T03).
 `connect` runs on the handshake executor; everything else on the writer thread, except
-`send_notif` for heartbeats and `poll` / `release` (main thread), as the seed prescribes.
+`send_notif` for heartbeats and `poll` / `release` (main thread), as the seed prescribes,
+and `progress` (main thread, first in every engine step).
 """
 
 from __future__ import annotations
