@@ -142,8 +142,10 @@ class PushRank(RankWriterSide):
 
     def step(self, meta: PushConnectorMeta, now: float | None = None) -> PushWorkerOutput:
         """start_load_kv then get_finished at one `now` (read from the clock if None)."""
-        self.transport.progress()
-        now = self._main_now() if now is None else now
+        if now is None:
+            now = self._main_now()  # lets the transport progress, too
+        else:
+            self.transport.progress()
         self._take_writer_items(now)
         self._start_load_kv(meta, now)
         self._take_writer_items(now)

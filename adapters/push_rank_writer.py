@@ -145,23 +145,17 @@ class RankWriterSide:
             self.transport.flush_writes()
 
     def _execute(self, now: float) -> None:
-        pending = self.pending_completion_notifs
         for effect in self.writer.take_effects():
-            kind = type(effect)
-            if kind is IssueWrite:
-                self._issue_write(effect.op, now)  # type: ignore[attr-defined]
-            elif kind is ReportToMain or kind is ForwardToMain:
-                pending.append(effect)  # type: ignore[arg-type]
-            else:
-                self._execute_one(effect, now)
+            self._execute_one(effect, now)
 
     def _execute_one(self, effect: Effect, now: float) -> None:
-        if isinstance(effect, ReportToMain | ForwardToMain):
+        # The two kinds every push produces first.
+        if isinstance(effect, IssueWrite):
+            self._issue_write(effect.op, now)
+        elif isinstance(effect, ReportToMain | ForwardToMain):
             self.pending_completion_notifs.append(effect)
         elif isinstance(effect, SendPushReg):
             self._send_push_reg(effect.request_id, effect.registration, now)
-        elif isinstance(effect, IssueWrite):
-            self._issue_write(effect.op, now)
         elif isinstance(effect, IssueRead):
             self._issue_read(effect, now)
         elif isinstance(effect, SendPushFail):

@@ -218,10 +218,11 @@ class GatherLaunches:
             self._slots.append(slot)
         return slot
 
-    def retire(self, slot: LaunchSlot) -> None:
-        """The slot's launch ended and its requests were completed: reusable."""
+    def retire(self, slot: object) -> None:
+        """The slot's launch ended and its requests were completed: reusable (anything
+        that is not one of this pool's slots is ignored)."""
         with self._pool_lock:
-            if slot in self._slots and slot not in self._free:
+            if isinstance(slot, LaunchSlot) and slot in self._slots and slot not in self._free:
                 self._free.append(slot)
 
     def query(self, event: int) -> bool:

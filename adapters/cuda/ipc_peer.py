@@ -136,15 +136,14 @@ class OpenedPeer:
         runtime = CudaRuntime.load()
         if isinstance(kernel, str) or isinstance(runtime, str):
             self.kernel_note = kernel if isinstance(kernel, str) else str(runtime)
-            log.warning("CUDA IPC push: %s; using the Triton kernel", self.kernel_note)
-            return
-        try:
-            self.gather = GatherLaunches(kernel, runtime, src, dst, self.block_len)
-        except Exception as exc:  # any CUDA failure: the Triton kernel still works
-            self.kernel_note = f"gather launches unavailable: {exc}"
-            log.warning("CUDA IPC push: %s; using the Triton kernel", self.kernel_note)
-            return
-        self.kernel = "cuda_core"
+        else:
+            try:
+                self.gather = GatherLaunches(kernel, runtime, src, dst, self.block_len)
+                self.kernel = "cuda_core"
+                return
+            except Exception as exc:  # any CUDA failure: the Triton kernel still works
+                self.kernel_note = f"gather launches unavailable: {exc}"
+        log.warning("CUDA IPC push: %s; using the Triton kernel", self.kernel_note)
 
     def check_ids(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
         if len(local_ids) != len(remote_ids):
@@ -169,10 +168,7 @@ class OpenedPeer:
     def retire(self, copy: Copy) -> None:
         """A launch ended and its requests were completed: its buffers may be reused."""
         if self.gather is not None:
-            from kvhandoff.adapters.cuda.ipc_gather import LaunchSlot
-
-            if isinstance(copy, LaunchSlot):
-                self.gather.retire(copy)
+            self.gather.retire(copy)
 
     def _launch_triton(self, local_ids: list[int], remote_ids: list[int]) -> Copy:
         if self._launch is None:

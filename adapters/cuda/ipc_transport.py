@@ -28,7 +28,8 @@ default stream (an engine calls `request_finished` after its step synchronised).
 Several GPUs of one host: D's GPU is found by PCI bus id and opened with lazy peer access
 where `cudaDeviceCanAccessPeer` allows; only the single-GPU case has been run.
 
-Nothing here imports torch, Triton or cuda.bindings before a D's export is opened.
+Nothing here imports torch, Triton or cuda.bindings before a D's export is opened. The
+handle, launch and counter records are in `ipc_handles.py`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvhandoff.adapters.clock import real_clock
@@ -46,6 +46,7 @@ from kvhandoff.adapters.cuda.ipc_export import (
     decode_export,
     encode_export,
 )
+from kvhandoff.adapters.cuda.ipc_handles import IpcBatch, IpcHandle, IpcStats
 from kvhandoff.adapters.cuda.ipc_runtime import IpcError
 from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_transport import EngineInfo, Routes, TransferHandle, XferState
@@ -65,56 +66,13 @@ from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 if TYPE_CHECKING:
-    from kvhandoff.adapters.cuda.ipc_peer import Copy, KernelChoice, OpenedPeer
+    from kvhandoff.adapters.cuda.ipc_peer import KernelChoice, OpenedPeer
+
+__all__ = ["IpcHandle", "IpcPushTransport", "IpcStats", "Path"]
 
 log = logging.getLogger(__name__)
 
 Path = Literal["cuda_ipc", "nixl"]
-
-
-@dataclass(eq=False, slots=True)
-class IpcHandle:
-    """A WRITE through CUDA IPC: queued, launched, then DONE once its notif left."""
-
-    engine_id: str
-    rank: int
-    local_ids: Sequence[int]
-    remote_ids: Sequence[int]
-    notif: bytes
-    xfer_status: XferState = "PROC"
-    released: bool = False
-    batch: _Batch | None = None
-    """The launch that carries it (None while queued)."""
-
-
-@dataclass(eq=False, slots=True)
-class _Batch:
-    key: str
-    event: Copy
-    """Ends with the launch (`query`, `synchronize`); given back to its peer once done."""
-    handles: list[IpcHandle]
-    failed: bool = False
-    """The launch ended in a CUDA error: its requests fail, no notif leaves."""
-
-    def ended(self) -> bool:
-        """Whether the launch ended (an error ends it too, as a failure)."""
-        try:
-            return self.event.query()
-        except (RuntimeError, KvHandoffError) as exc:
-            log.warning("IPC gather-scatter copy failed: %s", exc)
-            self.failed = True
-            return True
-
-
-@dataclass(slots=True)
-class IpcStats:
-    ipc_writes: int = 0
-    nixl_writes: int = 0
-    launches: int = 0
-    opened_peers: int = 0
-    refused_peers: dict[str, str] = field(default_factory=dict)
-    kernel: str = ""
-    """The gather-scatter kernel of the last opened peer ("cuda_core" or "triton")."""
 
 
 class IpcPushTransport:
@@ -172,7 +130,7 @@ class IpcPushTransport:
         self._offers: dict[str, bytes] = {}  # sender agent -> its latest export
         self._mapped: dict[str, OpenedPeer] = {}  # the opened ranks' mappings
         self._queued: dict[str, list[IpcHandle]] = {}
-        self._batches: list[_Batch] = []
+        self._batches: list[IpcBatch] = []
         self._wake = threading.Condition(self._lock)
         self._notifier: threading.Thread | None = None
         self._closed = False
@@ -245,10 +203,7 @@ class IpcPushTransport:
         for handle in self._queued.pop(key, []):
             handle.xfer_status = "ERR"
         for batch in [b for b in self._batches if b.key == key]:
-            try:
-                batch.event.synchronize()  # never unmap under a running kernel
-            except (RuntimeError, KvHandoffError) as exc:
-                log.warning("waiting for an IPC copy of %s failed: %s", key, exc)
+            batch.wait()  # never unmap under a running kernel
             for handle in batch.handles:
                 handle.xfer_status = "ERR"
             self._batches.remove(batch)
@@ -434,11 +389,7 @@ class IpcPushTransport:
                 if self._closed:
                     return
                 batch = self._batches[0]
-            try:
-                batch.event.synchronize()
-            except (RuntimeError, KvHandoffError) as exc:
-                log.warning("IPC gather-scatter copy failed: %s", exc)
-                batch.failed = True
+            batch.wait()
             with self._lock:
                 if self._batches and self._batches[0] is batch:
                     self._batches.pop(0)
@@ -467,7 +418,7 @@ class IpcPushTransport:
                 if handles and peer is not None:
                     self._launch(key, peer, handles)
 
-    def _complete(self, batch: _Batch) -> None:
+    def _complete(self, batch: IpcBatch) -> None:
         """The launch's event fired: its requests' completion notifs leave, as one bundle
         toward a D rank that speaks B-13 (a launch writes to one D rank)."""
         peer = self._mapped.get(batch.key)
@@ -503,7 +454,7 @@ class IpcPushTransport:
             for handle in handles:
                 handle.xfer_status = "ERR"
             return
-        batch = _Batch(key, event, handles)
+        batch = IpcBatch(key, event, handles)
         with self._lock:
             self.stats.launches += 1
             for handle in handles:

@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvhandoff.adapters.cuda.ipc_transport import IpcHandle, IpcPushTransport, _Batch
+from kvhandoff.adapters.cuda.ipc_handles import IpcBatch, IpcHandle
+from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.bench import push_child
 
@@ -59,7 +60,7 @@ def _opened(self: IpcPushTransport, engine_id: str, rank: int) -> Any:
 def _launch(self: IpcPushTransport, key: str, peer: Any, handles: list[IpcHandle]) -> None:
     if not handles:
         return
-    batch = _Batch(key, _FiredEvent(), handles)
+    batch = IpcBatch(key, _FiredEvent(), handles)
     with self._lock:
         self.stats.launches += 1
         for handle in handles:

@@ -218,10 +218,7 @@ class PushWriter:
         inst = bus.get(MATCH, base)
         if inst is not None:
             bus.dispatch(MATCH, base, Issued(p_request_id), bus.now)
-            if inst.has("awaiting_registration"):  # never a final state's tag: live
-                self._awaiting.add(base)
-            else:
-                self._awaiting.discard(base)
+            self._note_awaiting(base, inst)
             self._update_self_poll()
 
     def retry(self, op: ReplayPush, now: float) -> None:
@@ -334,6 +331,10 @@ class PushWriter:
             ctx = MatchCtx(base, p_tp=self.config.tp_size, p_tp_rank=self.tp_rank)
             inst = bus.create(MATCH, ctx, bus.now)
         bus.dispatch(MATCH, base, event, bus.now)
+        self._note_awaiting(base, inst)
+
+    def _note_awaiting(self, base: str, inst: Instance[MatchCtx]) -> None:
+        """Keep `_awaiting` in step with the slot's tag after an event (R-P07)."""
         if inst.has("awaiting_registration"):  # never a final state's tag: live
             self._awaiting.add(base)
         else:
