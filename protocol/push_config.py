@@ -23,6 +23,7 @@ _COUNTS = frozenset(
         "max_pending_registrations_per_peer",
         "max_pending_registrations",
         "max_pending_block_ids",
+        "max_pending_block_ids_per_peer",
     }
 )
 _TEXT = frozenset({"nixl_backend", "cluster_key"})
@@ -53,7 +54,12 @@ class PushConfig:
     max_pending_registrations_per_peer: int = 1024
     max_pending_registrations: int = 8192
     max_pending_block_ids: int = 1 << 21
-    """Block ids held by every waiting `PUSH_REG` together (S-03)."""
+    """Block ids held by every waiting `PUSH_REG` together (S-03). Agents of no engine this
+    rank is connected to (first contact, or names nobody handshaked) share at most half
+    of this and of `max_pending_registrations`, so a flood of invented agent names never
+    refuses a connected D."""
+    max_pending_block_ids_per_peer: int = 1 << 18
+    """Block ids held by the waiting `PUSH_REG`s of one agent (S-03)."""
     tp_size: int = 1
     pp_size: int = 1
     nixl_backend: str = "UCX"

@@ -139,12 +139,43 @@ def test_S_03_pending_registrations_are_capped_per_peer() -> None:
 def test_S_03_pending_registrations_are_capped_in_total_and_by_block_ids() -> None:
     w = _p_writer(PushConfig(max_pending_registrations=4, max_pending_block_ids=100))
     for i in range(6):
-        w.on_notif(f"agent-{i}", None, _reg(i), 0.0)
+        w.on_notif(f"decode-0-agent{i}", D_IDENTITY, _reg(i), 0.0)
     assert w.pending_count == 4 and w.rejected_notifs == 2
     w = _p_writer(PushConfig(max_pending_block_ids=100))
     for i in range(3):
-        w.on_notif(f"agent-{i}", None, _reg(i, tuple(range(40))), 0.0)
+        w.on_notif(f"decode-0-agent{i}", D_IDENTITY, _reg(i, tuple(range(40))), 0.0)
     assert w.pending_count == 2 and w.pending_blocks == 80 and w.rejected_notifs == 1
+
+
+def test_S_03_one_peers_block_ids_are_capped() -> None:
+    w = _p_writer(PushConfig(max_pending_block_ids_per_peer=100))
+    for i in range(3):
+        w.on_notif(D_AGENT, D_IDENTITY, _reg(i, tuple(range(40))), 0.0)
+    assert w.pending_blocks_by_peer == {D_AGENT: 80} and w.rejected_notifs == 1
+    w.on_notif("decode-0-agent2", D_IDENTITY, _reg(7, tuple(range(40))), 0.0)
+    assert w.pending_blocks == 120 and w.rejected_notifs == 1, "another peer has its own"
+
+
+def test_S_03_a_flood_of_invented_agents_never_refuses_a_connected_d() -> None:
+    """Agent names are free: a flood from names of no connected engine fills only its
+    half of the total budget (count and block ids); a D this rank is connected to still
+    registers, and the flood's share comes back as its registrations expire."""
+    config = PushConfig(max_pending_registrations=8, max_pending_block_ids=400)
+    w = _p_writer(config)
+    for i in range(40):  # 4 ids each, count-bound: 4 fit in the share of 8 // 2
+        w.on_notif(f"invented-{i}", None, _reg(i, (1, 2, 3, 4)), 0.0)
+    assert (w.unknown_count, w.rejected_notifs) == (4, 36)
+    for i in range(4):
+        w.on_notif(D_AGENT, D_IDENTITY, _reg(100 + i, tuple(range(40))), 0.0)
+    assert w.pending_count == 8 and w.rejected_notifs == 36, "the connected D is never refused"
+    w = _p_writer(config)
+    for i in range(10):  # 60 ids each, block-bound: 3 fit in the share of 400 // 2
+        w.on_notif(f"invented-{i}", None, _reg(i, tuple(range(60))), 0.0)
+    assert (w.unknown_count, w.unknown_blocks, w.rejected_notifs) == (3, 180, 7)
+    w.on_notif(D_AGENT, D_IDENTITY, _reg(100, tuple(range(200))), 0.0)
+    assert w.pending_blocks == 380 and w.rejected_notifs == 7
+    w.advance(config.pending_ttl + 1.0)
+    assert (w.unknown_count, w.unknown_blocks, w.pending_blocks) == (0, 0, 0)
 
 
 def test_S_03_the_capacity_comes_back_when_registrations_expire() -> None:
@@ -321,6 +352,8 @@ def test_S_01_S_06_the_writer_takes_any_notif_without_raising(
         assert w.rejected_notifs >= before
         assert held <= len(notifs)
     assert w.pending_count == sum(w.pending_by_peer.values())
+    assert w.pending_blocks == sum(w.pending_blocks_by_peer.values())
+    assert 0 <= w.unknown_count <= w.pending_count and 0 <= w.unknown_blocks <= w.pending_blocks
 
 
 # -- S-02: heartbeats before P's handshake with D identified D's agents ----------------------

@@ -333,10 +333,10 @@ def test_R_P08_writer_routes_push_reg_to_matching_and_forwards_the_rest() -> Non
     p.on_notif(D_AGENT, identity, encode_heartbeat(["cmpl-8-0-dddddddd"]), 0.0)
     assert p.bus.has_tag(MATCH, "cmpl-8-0", "pending_registration")
     effects = [e for e in p.take_effects() if isinstance(e, ForwardToMain)]
-    assert effects == [from_d(HeartbeatNotif(("cmpl-8-0-dddddddd",)))]
+    assert effects == [from_d(HeartbeatNotif(("cmpl-8-0-dddddddd",)), at=0.0)]
     d = writer("decode")
     d.on_notif("p-agent", (P_ENGINE.engine_id, 0), encode_completion_notif("cmpl-8-0-d", 1), 0.0)
-    assert d.take_effects() == [from_p(CompletionNotif("cmpl-8-0-d", 1), "p-agent")]
+    assert d.take_effects() == [from_p(CompletionNotif("cmpl-8-0-d", 1), "p-agent", at=0.0)]
 
 
 def _bound_lease(p: Halves, rid: str) -> None:
@@ -357,6 +357,26 @@ def test_R_P08_heartbeat_extends_the_lease_to_max_of_old_and_now_plus_extension(
     p.clock.advance(10.0)
     p.finish([beat])
     assert p.bus.deadline_of(P_LEASE, rid) == 35.0  # 15 + 20
+
+
+def test_R_P08_R_P11_a_heartbeat_taken_before_the_deadline_extends_a_lease_reaped_later() -> None:
+    """The seed applies notifs, then reaps: a heartbeat the writer took from NIXL before
+    the lease's deadline extends it, even when the main thread's step that applies it
+    runs after the deadline (a slow engine step); one taken after it does not."""
+    p = Halves("prefill")
+    rid, late = "cmpl-8-3-0a0a0a0a", "cmpl-8-4-0a0a0a0a"
+    _bound_lease(p, rid)
+    _bound_lease(p, late)
+    assert p.bus.deadline_of(P_LEASE, rid) == 30.0
+    p.clock.advance(31.0)  # the step runs after the deadline ...
+    beats = [
+        from_d(HeartbeatNotif(("cmpl-8-3-dddddddd",)), at=29.5),  # ... taken before it
+        from_d(HeartbeatNotif(("cmpl-8-4-dddddddd",)), at=30.5),  # ... taken after it
+    ]
+    p.finish(beats)
+    assert p.bus.has_tag(P_LEASE, rid, "heartbeat_extends"), "extended at 29.5"
+    assert p.bus.deadline_of(P_LEASE, rid) == 49.5  # 29.5 + 20
+    assert p.state(P_LEASE, late) == "revoking", "its lease ran out at 30, before the beat"
 
 
 def test_R_P08_R_P12_heartbeats_no_longer_extend_a_lease_whose_handshake_failed() -> None:

@@ -73,7 +73,11 @@ def test_R_P03_only_requests_that_finished_normally_and_hold_blocks_are_leased()
     p = PushScheduler("prefill", P_ENGINE, PushConfig())
     remote = {"do_remote_decode": True}
     assert p.request_finished("cmpl-a-0-1", [1, 2], None, 0.0) == (False, None)
-    assert p.request_finished("cmpl-b-0-1", [], remote, 0.0) == (False, None)
+    delay, params = p.request_finished("cmpl-b-0-1", [], remote, 0.0)
+    # vLLM 0.33: nothing to lease, but D still gets the decode leg's params.
+    assert delay is False and params is not None
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == "cmpl-b-0-1"
+    assert params["remote_block_ids"] == [[]]
     aborted = p.request_finished("cmpl-c-0-1", [1, 2], remote, 0.0, finished_normally=False)
     assert aborted == (False, None), "an aborted or errored request is freed at once"
     assert not p.has_pending_push_work()

@@ -178,6 +178,9 @@ class RankRegistration:
     d_rank: int
     registration: PushRegistration
     sender: str
+    known: bool = True
+    """The sender is an agent of an engine this rank is connected to: it holds from the
+    connected engines' budget, not the share of agents of no known engine (S-03)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +302,10 @@ class ForwardToMain(Effect):
     peer: str
     engine: str | None = None
     rank: int | None = None
+    at: float | None = None
+    """When the writer took it from NIXL: the main thread applies it at that time, before
+    the timeouts due after it (a heartbeat that arrived before its lease's deadline
+    extends the lease, R-P08); None applies it at the main thread's `now`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +336,7 @@ class HoldPending(Effect):
     peer: str
     blocks: int
     count: int
+    known: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,18 +226,22 @@ class PushScheduler:
         """P: hold the blocks for the push; True delays freeing them (R-P03).
 
         Only a request that finished normally (stopped or length-capped) and holds
-        blocks is leased; an aborted or errored one is freed at once (vLLM 0.33)."""
+        blocks is leased; an aborted or errored one is freed at once (vLLM 0.33). One that
+        finished normally without blocks leases nothing but still hands D its decode-leg
+        params, `(False, params)`, as vLLM 0.33's push connector does."""
         self._require("prefill", "request_finished")
         if not kv_transfer_params or not kv_transfer_params.get("do_remote_decode"):
             return False, None
-        if not finished_normally or not block_ids:
+        if not finished_normally:
             return False, None
         blocks = tuple(block_ids)
-        self.bus.create(P_REQUEST, PRequestCtx(request_id, blocks, ranks=self.world), now)
-        self._to_drain.append(request_id)
+        if blocks:
+            self.bus.create(P_REQUEST, PRequestCtx(request_id, blocks, ranks=self.world), now)
+            self._to_drain.append(request_id)
+        delay = bool(blocks)
         if self.mode == "pull":
-            return True, pull_params(self._here_pull, request_id, list(blocks))
-        return True, push_decode_params(self._here_push, blocks, request_id)
+            return delay, pull_params(self._here_pull, request_id, list(blocks))
+        return delay, push_decode_params(self._here_push, blocks, request_id)
 
     # -- every step --------------------------------------------------------------------
 

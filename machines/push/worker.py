@@ -225,10 +225,14 @@ class PushWorker:
         now: float,
         between: Callable[[], None] | None = None,
     ) -> None:
-        """Apply the writer's reports (before time moves on), then the peers' notifs at
-        `now`; their outcomes are reported by the next `get_finished`. `between` (the
-        rank's transport, optional) runs after every `REPORTS_BETWEEN` reports: a long
-        batch of reports does not hold back transfers the transport completes itself."""
+        """Apply the writer's reports (before time moves on), then the peers' notifs, each
+        at the time the writer took it (`ForwardToMain.at`, never before the bus's time nor
+        after `now`): the seed applies notifs before it reaps, so a heartbeat that reached
+        the writer before its lease's deadline extends the lease even when this step runs
+        after the deadline (R-P08, R-P11). Then time moves on to `now`; outcomes are
+        reported by the next `get_finished`. `between` (the rank's transport, optional)
+        runs after every `REPORTS_BETWEEN` reports: a long batch of reports does not hold
+        back transfers the transport completes itself."""
         notifs: list[ForwardToMain] = []
         taken = 0
         for item in items:
@@ -241,12 +245,16 @@ class PushWorker:
                 notifs.append(item)
         if not notifs:
             return
-        self.bus.advance(now)
+        bus = self.bus
         for notif in notifs:
+            at = now if notif.at is None or notif.at > now else notif.at
+            if at > bus.now:
+                bus.advance(at)  # what was due before it arrived fires first
             try:
-                self._on_notif(notif, now)
+                self._on_notif(notif, bus.now)
             except RemoteProtocolError as exc:
                 self.reject(notif.peer, exc, now)
+        bus.advance(now)
 
     def reject(self, peer: str | None, exc: RemoteProtocolError | str, now: float) -> None:
         self.rejections.reject(peer, exc, now)

@@ -131,9 +131,13 @@ class PushWriter:
         self.self_polling = False
         self.rejections = RejectionLog(log, what="notif")
         self.dropped: dict[str, int] = {}
+        # S-03 accounting (counters, not lifecycles: the match slots hold the registrations).
         self.pending_by_peer: dict[str, int] = {}
+        self.pending_blocks_by_peer: dict[str, int] = {}
         self.pending_count = 0
         self.pending_blocks = 0
+        self.unknown_count = 0  # held for agents of no connected engine
+        self.unknown_blocks = 0
         self._awaiting: set[str] = set()  # slots whose blocks wait for PUSH_REGs (R-P07)
         self._heard: set[str] = set()  # engines heard from since the last `advance` (B-11)
         self._effects: list[Effect] = []
@@ -254,7 +258,7 @@ class PushWriter:
                     raise RemoteProtocolError(f"PUSH_REG sent to a {self.role} instance")
                 self._on_push_reg(notif.registration, peer, engine, now)
             else:
-                self._effects.append(ForwardToMain(notif, peer, engine, rank))
+                self._effects.append(ForwardToMain(notif, peer, engine, rank, now))
         except RemoteProtocolError as exc:
             self.reject(peer, exc, now)
         self._update_self_poll()
@@ -298,17 +302,36 @@ class PushWriter:
         # C-01: a stock vLLM D names no rank; its ranks all register the same blocks, so
         # one registration stands for every D rank this P rank writes into.
         d_ranks = targets if reg.decode_tp_rank is None else [reg.decode_tp_rank]
+        known = sender_engine is not None
         for d_rank in d_ranks:
-            self._check_caps(sender, len(reg.block_ids))
-            self._to_slot(reg.request_id, RegArrived(RankRegistration(d_rank, reg, sender)))
+            self._check_caps(sender, len(reg.block_ids), known)
+            event = RegArrived(RankRegistration(d_rank, reg, sender, known))
+            self._to_slot(reg.request_id, event)
 
-    def _check_caps(self, peer: str, blocks: int) -> None:
-        """S-03: what one peer, and every peer together, can make this rank hold."""
+    def _check_caps(self, peer: str, blocks: int, known: bool) -> None:
+        """S-03: what one agent, the agents of no connected engine together, and every
+        peer together can make this rank hold. The unknown agents' share is half of each
+        total, so however many names a flood invents, connected engines keep the rest."""
         cfg = self.config
         if self.pending_by_peer.get(peer, 0) >= cfg.max_pending_registrations_per_peer:
             raise RemoteProtocolError(
                 f"over the cap of {cfg.max_pending_registrations_per_peer} waiting PUSH_REGs"
                 " per peer",
+                peer=peer,
+            )
+        held = self.pending_blocks_by_peer.get(peer, 0)
+        if held + blocks > cfg.max_pending_block_ids_per_peer:
+            raise RemoteProtocolError(
+                f"over the cap of {cfg.max_pending_block_ids_per_peer} block ids in one"
+                " peer's waiting PUSH_REGs",
+                peer=peer,
+            )
+        if not known and (
+            self.unknown_count >= cfg.max_pending_registrations // 2
+            or self.unknown_blocks + blocks > cfg.max_pending_block_ids // 2
+        ):
+            raise RemoteProtocolError(
+                "over the share of waiting PUSH_REGs for agents of no connected engine",
                 peer=peer,
             )
         if self.pending_count >= cfg.max_pending_registrations:
@@ -399,13 +422,19 @@ class PushWriter:
             bus.dispatch(REMOTE_ENGINE, effect.engine_id, Cancel(effect.request_id), bus.now)
 
     def _on_hold(self, _inst: Instance[Any] | None, effect: HoldPending) -> None:
-        count = self.pending_by_peer.get(effect.peer, 0) + effect.count
+        peer, blocks = effect.peer, effect.blocks * effect.count
+        count = self.pending_by_peer.get(peer, 0) + effect.count
         if count > 0:
-            self.pending_by_peer[effect.peer] = count
+            self.pending_by_peer[peer] = count
+            self.pending_blocks_by_peer[peer] = self.pending_blocks_by_peer.get(peer, 0) + blocks
         else:
-            self.pending_by_peer.pop(effect.peer, None)
+            self.pending_by_peer.pop(peer, None)
+            self.pending_blocks_by_peer.pop(peer, None)
         self.pending_count += effect.count
-        self.pending_blocks += effect.blocks * effect.count
+        self.pending_blocks += blocks
+        if not effect.known:
+            self.unknown_count += effect.count
+            self.unknown_blocks += blocks
 
     # -- wake policy (R-P07) -------------------------------------------------------------
 
