@@ -54,7 +54,7 @@ from kvhandoff.machines.push.worker import WriterItem
 from kvhandoff.machines.push.writer import PushWriter
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.effects import Effect
-from kvhandoff.protocol.auth import ClusterKey
+from kvhandoff.protocol.auth import ClusterKey, NonceSource
 from kvhandoff.protocol.blocks import check_within_capacity, expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
 from kvhandoff.protocol.handshake import EXT_PUSH_FAIL, decode_engine_handshake
@@ -81,8 +81,10 @@ class RankWriterSide:
     rank: int
     tp_rank: int
     clock: Clock
+    wall_clock: Clock
     config: PushConfig
     key: ClusterKey | None
+    nonces: NonceSource
     transport: PushTransport
     physical_blocks_per_logical: int
     writer: PushWriter
@@ -104,6 +106,7 @@ class RankWriterSide:
         asks after each input; returns how many inputs were handled."""
         writer = self.writer
         now = self.clock()
+        wall = self.wall_clock() if self.key is not None else None
         handled = 0
         while self.peer_lost_inbox:
             writer.on_peer_lost(self.peer_lost_inbox.popleft(), now)
@@ -124,7 +127,7 @@ class RankWriterSide:
             log.warning("get_new_notifs failed: %s", exc)
             notifs = []
         for peer, message in notifs:
-            writer.on_notif(peer, self.transport.identify(peer), message, now)
+            writer.on_notif(peer, self.transport.identify(peer), message, now, wall)
             self._execute(now)
             handled += 1
         writer.advance(now)  # pending registrations, tombstones, handshakes, idle engines
@@ -177,7 +180,10 @@ class RankWriterSide:
     def _seal(self, message: bytes) -> bytes:
         """S-05: with a cluster key every control notif leaves sealed by this agent."""
         key = self.key
-        return message if key is None else key.seal(self.transport.agent_name, message)
+        if key is None:
+            return message
+        agent = self.transport.agent_name
+        return key.seal(agent, message, nonce=self.nonces.next(), sealed_at=self.wall_clock())
 
     def _report(self, request_id: str, event: object) -> None:
         self.pending_completion_notifs.append(ReportToMain(request_id, event))  # type: ignore[arg-type]

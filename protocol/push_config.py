@@ -68,6 +68,11 @@ class PushConfig:
     engine steps drive UCX progress instead (measured faster on small hosts)."""
     cluster_key: str | None = field(default=None, repr=False)
     """The shared secret that seals control notifs between kvhandoff peers (S-05)."""
+    sealed_notif_ttl: float = 120.0
+    """How long a sealed notif stays fresh after it was sealed (S-05): longer than a WRITE
+    may take, since a completion notif is sealed when its WRITE is posted. Sealing peers'
+    wall clocks must agree within `sealed_notif_skew`."""
+    sealed_notif_skew: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -94,6 +99,12 @@ class PushConfig:
                 )
         if self.cluster_key is not None and len(self.cluster_key.encode()) < 16:
             raise LocalProtocolError("cluster_key needs at least 16 bytes")
+        if self.sealed_notif_ttl <= self.push_write_timeout:
+            raise LocalProtocolError(
+                f"sealed_notif_ttl ({self.sealed_notif_ttl:g} s) must outlast a WRITE"
+                f" (push_write_timeout {self.push_write_timeout:g} s): its completion notif is"
+                " sealed when the WRITE is posted"
+            )
         if self.engine_ttl <= self.registration_timeout:
             raise LocalProtocolError(
                 f"engine_ttl ({self.engine_ttl:g} s) must outlast the registration watchdog"

@@ -37,7 +37,7 @@ from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.push.writer import PushWriter
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.protocol.auth import AUTH_PREFIX, ClusterKey
+from kvhandoff.protocol.auth import AUTH_PREFIX, ClusterKey, NonceSource, ReplayWindow
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
@@ -194,6 +194,13 @@ def test_S_03_the_capacity_comes_back_when_registrations_expire() -> None:
 # -- S-05: the cluster key -------------------------------------------------------------------
 
 
+_NONCES = NonceSource(b"testnonc")
+
+
+def _sealed(key: ClusterKey, sender: str, message: bytes, at: float = 0.0) -> bytes:
+    return key.seal(sender, message, nonce=_NONCES.next(), sealed_at=at)
+
+
 def test_S_05_with_a_key_only_notifs_sealed_by_the_named_agent_are_opened() -> None:
     key = ClusterKey.from_text(KEY_TEXT)
     w = _p_writer(PushConfig(cluster_key=KEY_TEXT))
@@ -201,19 +208,63 @@ def test_S_05_with_a_key_only_notifs_sealed_by_the_named_agent_are_opened() -> N
     w.on_notif(D_AGENT, D_IDENTITY, plain, 0.0)
     assert (w.rejected_notifs, w.pending_count) == (1, 0), "a plain notif is refused"
     rogue = ClusterKey.from_text("a-rogue-key-of-its-own-000")
-    w.on_notif(D_AGENT, D_IDENTITY, rogue.seal(D_AGENT, plain), 0.0)
+    w.on_notif(D_AGENT, D_IDENTITY, _sealed(rogue, D_AGENT, plain), 0.0)
     assert (w.rejected_notifs, w.pending_count) == (2, 0), "another key is refused"
-    w.on_notif("decode-0-spoofer", None, key.seal(D_AGENT, plain), 0.0)
+    w.on_notif("decode-0-spoofer", None, _sealed(key, D_AGENT, plain), 0.0)
     assert (w.rejected_notifs, w.pending_count) == (3, 0), "a seal passed off by another agent"
-    w.on_notif(D_AGENT, D_IDENTITY, key.seal(D_AGENT, plain), 0.0)
+    w.on_notif(D_AGENT, D_IDENTITY, _sealed(key, D_AGENT, plain), 0.0)
     assert (w.rejected_notifs, w.pending_count) == (3, 1), "the peer's own sealed notif"
 
 
 def test_S_05_without_a_key_a_sealed_notif_is_refused() -> None:
     w = _p_writer()
-    sealed = ClusterKey.from_text(KEY_TEXT).seal(D_AGENT, _reg(0))
+    sealed = _sealed(ClusterKey.from_text(KEY_TEXT), D_AGENT, _reg(0))
     w.on_notif(D_AGENT, D_IDENTITY, sealed, 0.0)
     assert (w.rejected_notifs, w.pending_count) == (1, 0)
+
+
+def test_S_05_a_replayed_sealed_push_reg_is_refused_from_anyone_and_when_stale() -> None:
+    """The same sealed bytes a second time, from the true sender or from an agent that
+    claims its name later, change nothing; the registration's own retry (sealed anew)
+    is taken. Bytes older than the window are refused as stale."""
+    key, config = ClusterKey.from_text(KEY_TEXT), PushConfig(cluster_key=KEY_TEXT)
+    w = _p_writer(config)
+    captured = _sealed(key, D_AGENT, _reg(0), at=10.0)
+    w.on_notif(D_AGENT, D_IDENTITY, captured, 10.0)
+    assert (w.rejected_notifs, w.pending_count) == (0, 1)
+    w.advance(config.pending_ttl + 11.0)  # the registration expired: its base id is free
+    assert w.pending_count == 0
+    w.on_notif(D_AGENT, D_IDENTITY, captured, 20.0)
+    assert (w.rejected_notifs, w.pending_count) == (1, 0), "a replay within the window"
+    late = 10.0 + config.sealed_notif_ttl + config.sealed_notif_skew + 1.0
+    w.on_notif(D_AGENT, None, captured, late)
+    assert (w.rejected_notifs, w.pending_count) == (2, 0), "a replay after the window: stale"
+    w.on_notif(D_AGENT, D_IDENTITY, _sealed(key, D_AGENT, _reg(0), at=late), late)
+    assert (w.rejected_notifs, w.pending_count) == (2, 1), "sealed anew: a real retry"
+
+
+def test_S_05_bytes_sealed_before_a_restart_are_refused_by_the_new_process() -> None:
+    """A P that restarts (same engine id, same agent name) remembers no nonce, but what
+    was sealed before it started is refused, even while it would still be fresh."""
+    key, config = ClusterKey.from_text(KEY_TEXT), PushConfig(cluster_key=KEY_TEXT)
+    captured = _sealed(key, D_AGENT, _reg(0), at=100.0)
+    restarted = PushWriter("prefill", P_ENGINE.engine_id, config, started_at=150.0)
+    restarted.on_notif(D_AGENT, D_IDENTITY, captured, 160.0)
+    assert (restarted.rejected_notifs, restarted.pending_count) == (1, 0)
+    restarted.on_notif(D_AGENT, D_IDENTITY, _sealed(key, D_AGENT, _reg(0), at=155.0), 160.0)
+    assert (restarted.rejected_notifs, restarted.pending_count) == (1, 1)
+
+
+def test_S_03_S_05_the_replay_window_holds_a_bounded_number_of_nonces() -> None:
+    window = ReplayWindow(0.0, ttl=10.0, skew=1.0, capacity=4)
+    key = ClusterKey.from_text(KEY_TEXT)
+    for i in range(10):
+        window.admit(key.open(D_AGENT, _sealed(key, D_AGENT, b"m", at=float(i))), float(i))
+    assert (len(window), window.evicted) == (4, 6)
+    window.admit(key.open(D_AGENT, _sealed(key, D_AGENT, b"m", at=30.0)), 30.0)
+    assert len(window) == 1, "stale nonces are forgotten"
+    with pytest.raises(RemoteProtocolError, match="future"):
+        window.admit(key.open(D_AGENT, _sealed(key, D_AGENT, b"m", at=40.0)), 30.0)
 
 
 # -- S-01: structure-aware fuzzing of the decoders ----------------------------------------
@@ -290,14 +341,14 @@ def test_S_01_S_05_sealed_notifs_with_any_byte_changed_never_open_as_something_e
     message: bytes, sender: str, flip: int, xor: int
 ) -> None:
     key = ClusterKey.from_text(KEY_TEXT)
-    sealed = bytearray(key.seal(sender, message))
+    sealed = bytearray(_sealed(key, sender, message))
     sealed[flip % len(sealed)] ^= xor
     try:
         opened = key.open(sender, bytes(sealed))
     except RemoteProtocolError as exc:
         assert exc.peer == sender
     else:
-        assert opened == message, "a changed frame opened as another message"
+        assert opened.message == message, "a changed frame opened as another message"
 
 
 @settings(deadline=None, max_examples=200)

@@ -81,7 +81,7 @@ from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.rejections import RejectionLog
-from kvhandoff.protocol.auth import ClusterKey, is_sealed
+from kvhandoff.protocol.auth import ClusterKey, ReplayWindow, is_sealed
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.notifs import PushRegNotif, parse_notif
 from kvhandoff.protocol.push_config import PushConfig
@@ -115,7 +115,10 @@ class PushWriter:
         *,
         rank: int = 0,
         bus: EventBus | None = None,
+        started_at: float = 0.0,
     ) -> None:
+        """`started_at`: this process's start on the wall clock that sealed notifs are
+        checked against (S-05: what was sealed before it is a replay)."""
         self.role = role
         self.engine_id = engine_id
         self.config = cfg = config or PushConfig()
@@ -127,6 +130,7 @@ class PushWriter:
         self.bus.register(MATCH, machine_config)
         self.bus.register(REMOTE_ENGINE, machine_config)
         self.key = ClusterKey.from_text(cfg.cluster_key) if cfg.cluster_key else None
+        self.replay = ReplayWindow(started_at, ttl=cfg.sealed_notif_ttl, skew=cfg.sealed_notif_skew)
         self.poll_interval_s = cfg.push_writer_poll_interval_ms / 1000.0
         self.self_polling = False
         self.rejections = RejectionLog(log, what="notif")
@@ -241,12 +245,16 @@ class PushWriter:
             self._heard.clear()
         self._update_self_poll()
 
-    def on_notif(self, peer: str, identity: Identity, data: bytes, now: float) -> None:
-        """Route one notif from `get_new_notifs` (R-P08)."""
+    def on_notif(
+        self, peer: str, identity: Identity, data: bytes, now: float, wall: float | None = None
+    ) -> None:
+        """Route one notif from `get_new_notifs` (R-P08). `wall`: the wall-clock time that
+        sealed notifs are checked against (S-05; `now` when None)."""
         self.bus.advance(now)
         try:
             if self.key is not None:
-                data = self.key.open(peer, data)
+                opened = self.key.open(peer, data)
+                data = self.replay.admit(opened, now if wall is None else wall, peer)
             elif is_sealed(data):
                 raise RemoteProtocolError("sealed notif, but no cluster key is configured")
             notif = parse_notif(data, peer=peer)

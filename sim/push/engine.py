@@ -111,6 +111,7 @@ class SimEngine:
             config=cfg,
             clock=world.clock,
             physical_blocks_per_logical=world.settings.ratio,
+            wall=world.clock,
         )
         world.network.serve(
             self.engine_id,
