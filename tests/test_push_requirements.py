@@ -428,3 +428,56 @@ def test_R_P09_sending_done_frees_the_lease_and_the_writer_forgets_the_request()
     assert not rank.writer.self_polling and not rank.writer_inbox
     assert rank.bus.live(P_LEASE) == 0 and not w.prefill.side.scheduler.has_pending_push_work()
     finish(w)
+
+
+# -- R-P10: the watchdog, the engine's abort path, and the once-only report ----------------
+
+
+def _registered(d: Halves, rid: str) -> None:
+    d.sched.update_state_after_alloc(
+        rid, [1, 2], decode_leg({}, P_COORDS)["kv_transfer_params"], d.now
+    )
+    d.step(report(rid, RegSent()))
+
+
+def test_R_P10_a_dropped_registration_waits_for_the_abort_path_then_is_released_once() -> None:
+    """The watchdog drops the registration on every rank and never re-sends it; the
+    request then waits, with nothing in flight, until the engine's abort path ends it,
+    and is reported once: released, with why (vLLM frees its blocks then)."""
+    d = Halves("decode")
+    rid = "cmpl-10-0-dddddddd"
+    _registered(d, rid)
+    d.clock.advance(CONFIG.registration_timeout + 1.0)
+    d.step()  # the watchdog fires; this step's metadata tells the rank to drop it
+    output = d.step()  # the rank dropped it
+    assert d.sched.bus.has_tag(D_REQUEST, rid, "given_up")
+    assert not d.sched.has_pending_push_work(), "nothing is in flight for it"
+    assert not (output.finished_recving or output.failed_recving or output.released)
+    assert d.step().released == {}, "not reported before the engine ends it"
+    d.sched.abort(rid, d.now)
+    assert d.step().released == {rid: "push registration watchdog expired"}
+    assert d.sched.bus.get(D_REQUEST, rid) is None
+    d.sched.abort(rid, d.now)  # a second abort: nothing left to end, nothing reported
+    assert d.step().released == {}
+
+
+def test_R_P10_an_abort_while_the_ranks_hold_it_is_released_once_every_rank_dropped_it() -> None:
+    d = Halves("decode")
+    rid, expiring = "cmpl-10-1-dddddddd", "cmpl-10-2-dddddddd"
+    _registered(d, rid)
+    d.sched.abort(rid, d.now)
+    assert d.sched.bus.has_tag(D_REQUEST, rid, "ending")
+    # The metadata tells the rank; it drops it and reports it ended; then it is released.
+    assert d.step().released == {rid: "aborted"}
+    assert d.sched.bus.get(D_REQUEST, rid) is None
+    # Aborted while the ranks drop it for the watchdog: released once they did.
+    d.clock.advance(1.0)
+    _registered(d, expiring)
+    d.clock.advance(CONFIG.registration_timeout + 1.0)
+    meta = d.sched.build_connector_meta(d.now)  # the watchdog fires: expiring
+    d.sched.abort(expiring, d.now)
+    assert d.sched.bus.has_tag(D_REQUEST, expiring, "ending")
+    d.worker.start_load_kv(meta, d.now)
+    ended = d.sched.update_connector_output([d.worker.get_finished(d.now)], d.now)
+    assert ended.released == {expiring: "push registration watchdog expired"}
+    assert d.step().released == {}

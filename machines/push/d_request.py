@@ -14,21 +14,31 @@ in the step's metadata and learns each rank's outcome from the rank's output.
 - Pull mode (B-09): a rank that posted its READ stops the watchdog (`transferring`): the
   READ runs to its end under its own timeout, so the engine never frees blocks a READ
   writes into.
-- The watchdog (or the engine's abort path) ends the request in two steps: the next
-  metadata tells every rank to drop it (`ending`), and only when every rank has dropped it
-  does it end (`expired` / `aborted`, `unreported`: the engine's abort path fails it,
-  R-P10). It is never re-sent.
+- The watchdog gives up in two steps: the next metadata tells every rank to drop the
+  registration (`expiring`, `ending`), and once every rank has dropped it the request is
+  `expired`: never re-sent, and it stays awaiting its receive until the engine's abort
+  path ends it (R-P10), as vLLM keeps it in `WAITING_FOR_REMOTE_KVS`.
+- The engine's abort path (`Abort`, vLLM ending a request it waits for) drops a request
+  the ranks still hold the same way (`aborting`), and then, or at once for an `expired`
+  one, reports it `released` (`ReportReleased`): its blocks are the engine's again. The
+  engine hears of every request it waits for exactly once: received, failed or released.
 
 Tags: `drainable` (the next metadata carries it), `needs_heartbeat` (D keeps P's lease
-alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable`, `ending`
-(the metadata tells the ranks to drop it), `unreported` (ended without a report).
+alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable` (the abort
+path ends it), `ending` (the metadata tells the ranks to drop it), `given_up` (the
+watchdog dropped it; only the abort path ends it now).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import ReportFailedRecving, ReportFinishedRecving, Warn
+from kvhandoff.machines.push.effects import (
+    ReportFailedRecving,
+    ReportFinishedRecving,
+    ReportReleased,
+    Warn,
+)
 from kvhandoff.machines.push.events import (
     Abort,
     Drained,
@@ -59,6 +69,8 @@ class DRequestCtx:
     """Pull: where the ranks read from."""
     reported: set[int] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
+    expired: bool = False
+    """The watchdog gave up on it before the engine ended it."""
 
 
 WATCHDOG = Timeout("push_registration_timeout", "expiring", WatchdogExpired, action="give_up")
@@ -101,6 +113,7 @@ def fail(ctx: DRequestCtx, event: RankReport) -> list[Effect]:
 
 def give_up(ctx: DRequestCtx, event: WatchdogExpired) -> list[Effect]:
     ctx.reported.clear()
+    ctx.expired = True
     return [
         Warn(ctx.key, "push registration watchdog expired; dropped, not re-sent"),
         Metric("push.d.watchdog_expired"),
@@ -109,6 +122,11 @@ def give_up(ctx: DRequestCtx, event: WatchdogExpired) -> list[Effect]:
 
 def abort(ctx: DRequestCtx, event: Abort) -> None:
     ctx.reported.clear()
+
+
+def release(ctx: DRequestCtx, event: Abort | RankEnded) -> list[Effect]:
+    reason = "push registration watchdog expired" if ctx.expired else "aborted"
+    return [ReportReleased(ctx.key, reason), Metric("push.d.released")]
 
 
 _WAITING = ["awaiting", "transferring"]
@@ -143,8 +161,17 @@ def _reports(trigger: type[RankReport]) -> list[dict[str, object]]:
     return [{"trigger": trigger, "source": _WAITING, **row} for row in rows]
 
 
-def _acks(source: str, dest: str) -> list[dict[str, object]]:
-    """A rank dropped the ended request; when every rank did, it ends."""
+def _acks(source: str, dest: str, after: str | None = None) -> list[dict[str, object]]:
+    """A rank dropped the ended request; when every rank did, it moves on to `dest`."""
+    last_row: dict[str, object] = {
+        "trigger": RankEnded,
+        "source": source,
+        "dest": dest,
+        "conditions": "last",
+        "unless": "repeated",
+    }
+    if after is not None:
+        last_row["after"] = after
     return [
         {
             "trigger": RankEnded,
@@ -153,13 +180,7 @@ def _acks(source: str, dest: str) -> list[dict[str, object]]:
             "conditions": "repeated",
             "after": "count_repeat",
         },
-        {
-            "trigger": RankEnded,
-            "source": source,
-            "dest": dest,
-            "conditions": "last",
-            "unless": "repeated",
-        },
+        last_row,
         {"trigger": RankEnded, "source": source, "dest": None, "after": "record"},
     ]
 
@@ -175,12 +196,13 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
             "tags": ("needs_heartbeat", "awaiting_ranks", "abortable"),
         },
         {"name": "transferring", "tags": ("needs_heartbeat", "awaiting_ranks")},
-        {"name": "expiring", "tags": ("ending",)},
+        {"name": "expiring", "tags": ("ending", "abortable")},
         {"name": "aborting", "tags": ("ending",)},
+        {"name": "expired", "tags": ("given_up", "abortable")},
         {"name": "received", "final": True},
         {"name": "failed", "final": True},
-        {"name": "expired", "final": True, "tags": ("unreported",)},
-        {"name": "aborted", "final": True, "tags": ("unreported",)},
+        {"name": "released", "final": True},
+        {"name": "aborted", "final": True},
     ],
     initial="stashed",
     transitions=[
@@ -189,13 +211,20 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         *_reports(RankReceived),
         *_reports(RankRecvFailed),
         {"trigger": Abort, "source": ["stashed", "awaiting"], "dest": "aborting", "after": "abort"},
+        # The ranks are dropping it already: their acks so far still count.
+        {"trigger": Abort, "source": "expiring", "dest": "aborting"},
+        {"trigger": Abort, "source": "expired", "dest": "released", "after": "release"},
         *_acks("expiring", "expired"),
-        *_acks("aborting", "aborted"),
+        *_acks("aborting", "aborted", "release"),
     ],
     ignore=[
         # A rank that finished its part before it heard the request ended.
-        *((s, e) for s in ("expiring", "aborting") for e in (RankReceived, RankRecvFailed)),
-        *((s, RankPosted) for s in ("transferring", "expiring", "aborting")),
+        *(
+            (s, e)
+            for s in ("expiring", "aborting", "expired")
+            for e in (RankReceived, RankRecvFailed)
+        ),
+        *((s, RankPosted) for s in ("transferring", "expiring", "aborting", "expired")),
     ],
     callbacks={
         "repeated": repeated,
@@ -207,6 +236,7 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         "fail": fail,
         "give_up": give_up,
         "abort": abort,
+        "release": release,
     },
     config_defaults={"push_registration_timeout": 480.0},
     context=DRequestCtx,

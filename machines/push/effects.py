@@ -41,6 +41,16 @@ class ReportFailedRecving(Effect):
 
 
 @dataclass(frozen=True, slots=True)
+class ReportReleased(Effect):
+    """D: the engine ended a request it was waiting for (its abort path) and no rank
+    holds it any more: its blocks are the engine's again (vLLM frees them once it sees the
+    id in `finished_recving`). `reason` says why the receive did not happen."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReportFinishedSending(Effect):
     """P: the blocks may be freed (WRITEs done or failed, or the lease ran out) (R-P09)."""
 

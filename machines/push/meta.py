@@ -74,3 +74,6 @@ class PushConnectorOutput(msgspec.Struct, kw_only=True):
     finished_recving: set[str] = msgspec.field(default_factory=set)
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    released: dict[str, str] = msgspec.field(default_factory=dict)
+    """D requests the engine ended (abort path) that no rank holds any more, with why the
+    receive did not happen: their blocks may be freed (`ReportReleased`)."""

@@ -34,6 +34,7 @@ from kvhandoff.machines.push.effects import (
     ReportFailedRecving,
     ReportFinishedRecving,
     ReportFinishedSending,
+    ReportReleased,
     Warn,
 )
 from kvhandoff.machines.push.events import (
@@ -120,6 +121,7 @@ class PushScheduler:
             self.bus.register(kind, machine_config)
         # Asked every step (`ended` in the metadata) while few of the live requests carry it.
         self.bus.watch(D_REQUEST, "ending")
+        self.bus.watch(D_REQUEST, "given_up")  # counted by has_pending_push_work
         self.step = 0
         self.next_heartbeat = now + self.config.heartbeat_every
         self.stale_reports = 0
@@ -138,6 +140,7 @@ class PushScheduler:
         bus_.handle(ReportFinishedRecving, self._on_finished_recving)
         bus_.handle(ReportFailedRecving, self._on_failed_recving)
         bus_.handle(ReportFinishedSending, self._on_finished_sending)
+        bus_.handle(ReportReleased, self._on_released)
         bus_.handle(Warn, lambda _inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
 
     # -- D side ----------------------------------------------------------------------
@@ -206,8 +209,10 @@ class PushScheduler:
         )
 
     def abort(self, request_id: str, now: float) -> None:
-        """D: the engine's request-level abort path ends a request that has not been
-        reported yet (a reported receive reaches the engine as usual)."""
+        """D: the engine's request-level abort path ends a request it waits for. Once no
+        rank holds it (at once, if the watchdog already dropped it) it is reported
+        `released`; a receive the ranks are still reporting (a pull READ in flight)
+        reaches the engine as usual, and so does one already reported."""
         self.bus.advance(now)
         if self.bus.has_tag(D_REQUEST, request_id, "abortable"):
             self.bus.dispatch(D_REQUEST, request_id, Abort(), now)
@@ -338,8 +343,11 @@ class PushScheduler:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report
 
     def has_pending_push_work(self) -> bool:
-        """True while any push state is in flight on this side (R-P13)."""
-        return self.bus.live(D_REQUEST) > 0 or self.bus.live(P_REQUEST) > 0
+        """True while any push state is in flight on this side (R-P13); a request the
+        watchdog dropped waits for the engine's abort path, with nothing in flight."""
+        bus = self.bus
+        in_flight = bus.live(D_REQUEST) - len(bus.tagged(D_REQUEST, "given_up"))
+        return in_flight > 0 or bus.live(P_REQUEST) > 0
 
     def stats(self) -> dict[str, int]:
         """Failures by cause across the ranks (B-14), and stale rank reports."""
@@ -356,6 +364,9 @@ class PushScheduler:
 
     def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
         self._output.finished_sending.add(effect.request_id)
+
+    def _on_released(self, _inst: Instance[object], effect: ReportReleased) -> None:
+        self._output.released[effect.request_id] = effect.reason
 
     def _require(self, role: Role, call: str) -> None:
         if self.role != role:
