@@ -19,9 +19,11 @@ in the step's metadata and learns each rank's outcome from the rank's output.
   `expired`: never re-sent, and it stays awaiting its receive until the engine's abort
   path ends it (R-P10), as vLLM keeps it in `WAITING_FOR_REMOTE_KVS`.
 - The engine's abort path (`Abort`, vLLM ending a request it waits for) drops a request
-  the ranks still hold the same way (`aborting`), and then, or at once for an `expired`
-  one, reports it `released` (`ReportReleased`): its blocks are the engine's again. The
-  engine hears of every request it waits for exactly once: received, failed or released.
+  the ranks still hold the same way (`aborting`), and once every rank let go of it (it
+  dropped it, or finished its part before it heard: vLLM ends a failed load before it
+  hands over the ranks' outputs), or at once for an `expired` one, reports it `released`
+  (`ReportReleased`): its blocks are the engine's again. The engine hears of every
+  request it waits for exactly once: received, failed or released.
 
 Tags: `drainable` (the next metadata carries it), `needs_heartbeat` (D keeps P's lease
 alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable` (the abort
@@ -124,7 +126,7 @@ def abort(ctx: DRequestCtx, event: Abort) -> None:
     ctx.reported.clear()
 
 
-def release(ctx: DRequestCtx, event: Abort | RankEnded) -> list[Effect]:
+def release(ctx: DRequestCtx, event: Abort | RankReport | RankEnded) -> list[Effect]:
     reason = "push registration watchdog expired" if ctx.expired else "aborted"
     return [ReportReleased(ctx.key, reason), Metric("push.d.released")]
 
@@ -162,27 +164,31 @@ def _reports(trigger: type[RankReport]) -> list[dict[str, object]]:
 
 
 def _acks(source: str, dest: str, after: str | None = None) -> list[dict[str, object]]:
-    """A rank dropped the ended request; when every rank did, it moves on to `dest`."""
-    last_row: dict[str, object] = {
-        "trigger": RankEnded,
-        "source": source,
-        "dest": dest,
-        "conditions": "last",
-        "unless": "repeated",
-    }
-    if after is not None:
-        last_row["after"] = after
-    return [
-        {
-            "trigger": RankEnded,
+    """A rank let go of the ended request (dropped it, or finished its part before it
+    heard); when every rank did, it moves on to `dest`."""
+    rows: list[dict[str, object]] = []
+    for trigger in (RankEnded, RankReceived, RankRecvFailed):
+        last_row: dict[str, object] = {
+            "trigger": trigger,
             "source": source,
-            "dest": None,
-            "conditions": "repeated",
-            "after": "count_repeat",
-        },
-        last_row,
-        {"trigger": RankEnded, "source": source, "dest": None, "after": "record"},
-    ]
+            "dest": dest,
+            "conditions": "last",
+            "unless": "repeated",
+        }
+        if after is not None:
+            last_row["after"] = after
+        rows += [
+            {
+                "trigger": trigger,
+                "source": source,
+                "dest": None,
+                "conditions": "repeated",
+                "after": "count_repeat",
+            },
+            last_row,
+            {"trigger": trigger, "source": source, "dest": None, "after": "record"},
+        ]
+    return rows
 
 
 D_REQUEST: Declaration[DRequestCtx] = Declaration(
@@ -218,12 +224,8 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         *_acks("aborting", "aborted", "release"),
     ],
     ignore=[
-        # A rank that finished its part before it heard the request ended.
-        *(
-            (s, e)
-            for s in ("expiring", "aborting", "expired")
-            for e in (RankReceived, RankRecvFailed)
-        ),
+        # Every rank let go already; a late report changes nothing.
+        *(("expired", e) for e in (RankReceived, RankRecvFailed)),
         *((s, RankPosted) for s in ("transferring", "expiring", "aborting", "expired")),
     ],
     callbacks={

@@ -61,6 +61,9 @@ class PushWorkerOutput(msgspec.Struct, kw_only=True):
     finished_sending: tuple[str, ...] = ()
     finished_recving: tuple[str, ...] = ()
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+    invalid_block_ids: tuple[int, ...] = ()
+    """The blocks of this step's failed receives: the rank's load errors (the engine's
+    worker reports them in the same step as the failure, R-P12)."""
     ended: tuple[str, ...] = ()
     posted: tuple[str, ...] = ()
     failures: dict[str, int] = msgspec.field(default_factory=dict)

@@ -313,14 +313,15 @@ class PushScheduler:
 
     def _apply(self, output: PushWorkerOutput, now: float) -> None:
         rank = output.rank
-        self._deliver(D_REQUEST, output.finished_recving, "awaiting_ranks", RankReceived(rank), now)
+        # A rank's part ends a request the ranks still hold, or counts as letting go of
+        # one the scheduler is ending (the engine may end it before it hands over this).
+        held = ("awaiting_ranks", "ending")
+        self._deliver(D_REQUEST, output.finished_recving, held, RankReceived(rank), now)
         for request_id, reason in output.failed_recving.items():
-            self._deliver(
-                D_REQUEST, (request_id,), "awaiting_ranks", RankRecvFailed(rank, reason), now
-            )
-        self._deliver(D_REQUEST, output.posted, "awaiting_ranks", RankPosted(rank), now)
-        self._deliver(D_REQUEST, output.ended, "ending", RankEnded(rank), now)
-        self._deliver(P_REQUEST, output.finished_sending, "awaiting_ranks", RankSent(rank), now)
+            self._deliver(D_REQUEST, (request_id,), held, RankRecvFailed(rank, reason), now)
+        self._deliver(D_REQUEST, output.posted, ("awaiting_ranks",), RankPosted(rank), now)
+        self._deliver(D_REQUEST, output.ended, ("ending",), RankEnded(rank), now)
+        self._deliver(P_REQUEST, output.finished_sending, ("awaiting_ranks",), RankSent(rank), now)
         for cause, count in output.failures.items():
             if cause in self.failures and count > 0:
                 self.failures[cause] += count
@@ -329,15 +330,16 @@ class PushScheduler:
         self,
         kind: Declaration[Any],
         request_ids: Iterable[str],
-        tag: str,
+        tags: tuple[str, ...],
         event: Event,
         now: float,
     ) -> None:
-        kind.check_tag(tag)
+        for tag in tags:
+            kind.check_tag(tag)
         bus = self.bus
         for request_id in request_ids:
             inst = bus.get(kind, request_id)
-            if inst is not None and tag in inst.node.tags:
+            if inst is not None and any(tag in inst.node.tags for tag in tags):
                 bus.dispatch(kind, request_id, event, now)
             else:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report

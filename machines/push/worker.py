@@ -206,6 +206,8 @@ class PushWorker:
         output.finished_sending = tuple(self._sending)
         output.finished_recving = tuple(self._recving)
         output.posted = tuple(self._posted)
+        if self._invalid:
+            output.invalid_block_ids = tuple(self._invalid)
         self._output = self._fresh_output()
         return output
 
@@ -215,6 +217,7 @@ class PushWorker:
         self._sending: list[str] = []
         self._recving: list[str] = []
         self._posted: list[str] = []
+        self._invalid: list[int] = []
         return PushWorkerOutput(rank=self.rank, step=self.step)
 
     # -- the pending-completion-notifs queue (R-P08) -------------------------------------
@@ -314,6 +317,7 @@ class PushWorker:
 
     def _on_failed_recving(self, _inst: Instance[object], effect: ReportFailedRecving) -> None:
         self._output.failed_recving[effect.request_id] = effect.reason
+        self._invalid.extend(effect.block_ids)
 
     def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
         self._sending.append(effect.request_id)
