@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvhandoff.machines.push.d_request import D_REQUEST, DRequestCtx
@@ -60,9 +60,11 @@ from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.legs import (
+    COORDINATE_KEYS,
     PrefillCoordinates,
     PullSource,
     prefill_coordinates,
+    prefill_request_id,
     pull_params,
     pull_source,
     push_decode_params,
@@ -79,6 +81,7 @@ Mode = Literal["push", "pull"]
 SCHEDULER_KINDS: tuple[Declaration[Any], ...] = (D_REQUEST, P_REQUEST)
 
 _DRAINED = Drained()  # events are frozen: one instance serves every request
+_ENGINES_SEEN = 256  # distinct P engine coordinates remembered (`_prefill_engine`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ class PushScheduler:
         self.failures: dict[str, int] = dict.fromkeys(FAILURE_CAUSES, 0)
         self._last_step: dict[int, int] = {}
         self._to_drain: list[str] = []
+        self._engines_seen: dict[tuple[object, ...], PrefillCoordinates] = {}
         self._output = PushConnectorOutput()
         # This engine's coordinates as P hands them to D, built once.
         self._here_pull = PrefillCoordinates(
@@ -173,9 +177,7 @@ class PushScheduler:
                 source=source,
             )
         else:
-            prefill = prefill_coordinates(kv_transfer_params)
-            if prefill.tp_size != self.config.tp_size:  # equal positive sizes always map
-                check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
+            prefill = self._prefill_engine(kv_transfer_params)
             ctx = DRequestCtx(
                 request_id,
                 blocks,
@@ -183,11 +185,30 @@ class PushScheduler:
                 heartbeat_engine=prefill.engine_id,
                 # C-01: P's own id when the leg names it (a stock vLLM P matches exactly);
                 # else D's, which a kvhandoff P matches by base id.
-                heartbeat_id=prefill.request_id or request_id,
+                heartbeat_id=prefill_request_id(kv_transfer_params) or request_id,
                 registration=self._registration(request_id, blocks, prefill),
             )
         self.bus.create(D_REQUEST, ctx, now)
         self._to_drain.append(request_id)
+
+    def _prefill_engine(self, params: Mapping[str, Any]) -> PrefillCoordinates:
+        """P's engine coordinates on a decode leg, parsed and checked once per distinct
+        set of values (every leg from one P engine carries the same): a bounded memo."""
+        try:
+            key = tuple(map(params.get, COORDINATE_KEYS))
+            known = self._engines_seen.get(key)
+        except TypeError:  # an unhashable value: parse it to say what is wrong
+            key, known = None, None
+        if known is not None:
+            return known
+        prefill = replace(prefill_coordinates(params), request_id="")  # the engine's only
+        if prefill.tp_size != self.config.tp_size:  # equal positive sizes always map
+            check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
+        if key is not None:
+            if len(self._engines_seen) >= _ENGINES_SEEN:
+                self._engines_seen.clear()
+            self._engines_seen[key] = prefill
+        return prefill
 
     def _registration(
         self, request_id: str, blocks: tuple[int, ...], prefill: PrefillCoordinates
