@@ -30,9 +30,11 @@ import cProfile
 import json
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.adapters.push_transport import (
@@ -163,8 +165,13 @@ def _created(side: PushSide) -> int:
     return sum(m.created for bus in buses for m in bus._machines.values())
 
 
+class _Profiler(Protocol):
+    def enable(self) -> None: ...
+    def disable(self) -> None: ...
+
+
 def run(
-    requests: int, blocks_per_request: int, reps: int, profile: cProfile.Profile | None = None
+    requests: int, blocks_per_request: int, reps: int, profile: _Profiler | None = None
 ) -> dict[str, float]:
     capacity = requests * blocks_per_request
     tp = MemoryTransport(P_ENGINE, P_AGENT, D_ENGINE, D_AGENT, capacity)
@@ -233,6 +240,40 @@ def run(
     return result
 
 
+class _Hops:
+    """A profile-shaped tracer of the request's path: calls from one kvhandoff module into
+    another (a hop), and the modules entered (`sys.setprofile`, enabled like cProfile)."""
+
+    def __init__(self) -> None:
+        self.hops = 0
+        self.modules: set[str] = set()
+
+    def _trace(self, frame: object, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        code = frame.f_code  # type: ignore[attr-defined]
+        callee = code.co_filename
+        if "kvhandoff" not in callee or "/probes/" in callee:
+            return
+        self.modules.add(callee.rsplit("kvhandoff/", 1)[-1])
+        caller = frame.f_back  # type: ignore[attr-defined]
+        if caller is not None and caller.f_code.co_filename != callee:
+            self.hops += 1
+
+    def enable(self) -> None:
+        sys.setprofile(self._trace)
+
+    def disable(self) -> None:
+        sys.setprofile(None)
+
+
+def hops() -> dict[str, object]:
+    """One request pushed alone (after two warm-up reps): cross-module calls and modules."""
+    tracer = _Hops()
+    run(1, 4, 1, tracer)
+    return {"cross_module_calls": tracer.hops, "modules": len(tracer.modules)}
+
+
 def count(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
     """Calls, dispatches and instances per pushed request (see the module docstring)."""
     profile = cProfile.Profile()
@@ -272,8 +313,13 @@ def main() -> int:
     parser.add_argument(
         "--count", action="store_true", help="calls, dispatches, instances per request"
     )
+    parser.add_argument(
+        "--hops", action="store_true", help="cross-module calls and modules of one request"
+    )
     args = parser.parse_args()
-    if args.count:
+    if args.hops:
+        print(json.dumps(hops()))
+    elif args.count:
         print(json.dumps(count(args.requests, args.blocks, args.reps)))
     else:
         print(json.dumps(run(args.requests, args.blocks, args.reps)))
