@@ -470,7 +470,7 @@ def test_R_P10_an_abort_while_the_ranks_hold_it_is_released_once_every_rank_drop
     # The metadata tells the rank; it drops it and reports it ended; then it is released.
     assert d.step().released == {rid: "aborted"}
     assert d.sched.bus.get(D_REQUEST, rid) is None
-    # Aborted while the ranks drop it for the watchdog: released once they did.
+    # Ended by the engine while the ranks drop it for the watchdog: released once they did.
     d.clock.advance(1.0)
     _registered(d, expiring)
     d.clock.advance(CONFIG.registration_timeout + 1.0)

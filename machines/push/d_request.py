@@ -14,16 +14,17 @@ in the step's metadata and learns each rank's outcome from the rank's output.
 - Pull mode (B-09): a rank that posted its READ stops the watchdog (`transferring`): the
   READ runs to its end under its own timeout, so the engine never frees blocks a READ
   writes into.
-- The watchdog gives up in two steps: the next metadata tells every rank to drop the
-  registration (`expiring`, `ending`), and once every rank has dropped it the request is
-  `expired`: never re-sent, and it stays awaiting its receive until the engine's abort
-  path ends it (R-P10), as vLLM keeps it in `WAITING_FOR_REMOTE_KVS`.
-- The engine's abort path (`Abort`, vLLM ending a request it waits for) drops a request
-  the ranks still hold the same way (`aborting`), and once every rank let go of it (it
-  dropped it, or finished its part before it heard: vLLM ends a failed load before it
-  hands over the ranks' outputs), or at once for an `expired` one, reports it `released`
-  (`ReportReleased`): its blocks are the engine's again. The engine hears of every
-  request it waits for exactly once: received, failed or released.
+- The watchdog or the engine's abort path (`Abort`, vLLM ending a request it waits for)
+  drops the request in two steps: the next metadata tells every rank to drop it
+  (`dropping`, `ending`), and it moves on once every rank let go of it (dropped it, or
+  finished its part before it heard: vLLM ends a failed load before it hands over the
+  ranks' outputs).
+- Given up by the watchdog, it is `expired`: never re-sent, and it stays awaiting its
+  receive until the engine's abort path ends it (R-P10), as vLLM keeps it in
+  `WAITING_FOR_REMOTE_KVS`. Ended by the engine (before, while the ranks drop it, or
+  once expired), it is reported `released` (`ReportReleased`, with why): its blocks are
+  the engine's again. The engine hears of every request it waits for exactly once:
+  received, failed or released.
 
 Tags: `drainable` (the next metadata carries it), `needs_heartbeat` (D keeps P's lease
 alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable` (the abort
@@ -73,9 +74,11 @@ class DRequestCtx:
     failures: list[str] = field(default_factory=list)
     expired: bool = False
     """The watchdog gave up on it before the engine ended it."""
+    engine_ended: bool = False
+    """The engine's abort path ended it: release it once no rank holds it."""
 
 
-WATCHDOG = Timeout("push_registration_timeout", "expiring", WatchdogExpired, action="give_up")
+WATCHDOG = Timeout("push_registration_timeout", "dropping", WatchdogExpired, action="give_up")
 
 RankReport = RankReceived | RankRecvFailed
 
@@ -124,6 +127,16 @@ def give_up(ctx: DRequestCtx, event: WatchdogExpired) -> list[Effect]:
 
 def abort(ctx: DRequestCtx, event: Abort) -> None:
     ctx.reported.clear()
+    ctx.engine_ended = True
+
+
+def engine_ends(ctx: DRequestCtx, event: Abort) -> None:
+    """The engine ended it while the ranks drop it for the watchdog: their acks count."""
+    ctx.engine_ended = True
+
+
+def engine_ended(ctx: DRequestCtx, event: RankReport | RankEnded) -> bool:
+    return ctx.engine_ended
 
 
 def release(ctx: DRequestCtx, event: Abort | RankReport | RankEnded) -> list[Effect]:
@@ -163,31 +176,25 @@ def _reports(trigger: type[RankReport]) -> list[dict[str, object]]:
     return [{"trigger": trigger, "source": _WAITING, **row} for row in rows]
 
 
-def _acks(source: str, dest: str, after: str | None = None) -> list[dict[str, object]]:
-    """A rank let go of the ended request (dropped it, or finished its part before it
-    heard); when every rank did, it moves on to `dest`."""
+def _acks() -> list[dict[str, object]]:
+    """A rank let go of the request being dropped (it dropped it, or finished its part
+    before it heard); when every rank did, it is released if the engine ended it, else
+    it waits for the engine's abort path (`expired`)."""
     rows: list[dict[str, object]] = []
     for trigger in (RankEnded, RankReceived, RankRecvFailed):
-        last_row: dict[str, object] = {
-            "trigger": trigger,
-            "source": source,
-            "dest": dest,
-            "conditions": "last",
-            "unless": "repeated",
-        }
-        if after is not None:
-            last_row["after"] = after
         rows += [
+            {"conditions": "repeated", "dest": None, "after": "count_repeat"},
             {
-                "trigger": trigger,
-                "source": source,
-                "dest": None,
-                "conditions": "repeated",
-                "after": "count_repeat",
+                "conditions": ["last", "engine_ended"],
+                "unless": "repeated",
+                "dest": "released",
+                "after": "release",
             },
-            last_row,
-            {"trigger": trigger, "source": source, "dest": None, "after": "record"},
+            {"conditions": "last", "unless": ["repeated", "engine_ended"], "dest": "expired"},
+            {"dest": None, "after": "record"},
         ]
+        for row in rows[-4:]:
+            row.update(trigger=trigger, source="dropping")
     return rows
 
 
@@ -202,13 +209,11 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
             "tags": ("needs_heartbeat", "awaiting_ranks", "abortable"),
         },
         {"name": "transferring", "tags": ("needs_heartbeat", "awaiting_ranks")},
-        {"name": "expiring", "tags": ("ending", "abortable")},
-        {"name": "aborting", "tags": ("ending",)},
+        {"name": "dropping", "tags": ("ending", "abortable")},
         {"name": "expired", "tags": ("given_up", "abortable")},
         {"name": "received", "final": True},
         {"name": "failed", "final": True},
         {"name": "released", "final": True},
-        {"name": "aborted", "final": True},
     ],
     initial="stashed",
     transitions=[
@@ -216,17 +221,15 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         {"trigger": RankPosted, "source": "awaiting", "dest": "transferring"},
         *_reports(RankReceived),
         *_reports(RankRecvFailed),
-        {"trigger": Abort, "source": ["stashed", "awaiting"], "dest": "aborting", "after": "abort"},
-        # The ranks are dropping it already: their acks so far still count.
-        {"trigger": Abort, "source": "expiring", "dest": "aborting"},
+        {"trigger": Abort, "source": ["stashed", "awaiting"], "dest": "dropping", "after": "abort"},
+        {"trigger": Abort, "source": "dropping", "dest": None, "after": "engine_ends"},
         {"trigger": Abort, "source": "expired", "dest": "released", "after": "release"},
-        *_acks("expiring", "expired"),
-        *_acks("aborting", "aborted", "release"),
+        *_acks(),
     ],
     ignore=[
         # Every rank let go already; a late report changes nothing.
         *(("expired", e) for e in (RankReceived, RankRecvFailed)),
-        *((s, RankPosted) for s in ("transferring", "expiring", "aborting", "expired")),
+        *((s, RankPosted) for s in ("transferring", "dropping", "expired")),
     ],
     callbacks={
         "repeated": repeated,
@@ -238,6 +241,8 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         "fail": fail,
         "give_up": give_up,
         "abort": abort,
+        "engine_ends": engine_ends,
+        "engine_ended": engine_ended,
         "release": release,
     },
     config_defaults={"push_registration_timeout": 480.0},
