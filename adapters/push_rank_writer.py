@@ -35,6 +35,7 @@ from kvhandoff.machines.push.effects import (
     IssueWrite,
     RankRegistration,
     ReplayPush,
+    ReplayRegistration,
     ReportToMain,
     SendPushFail,
     SendPushReg,
@@ -158,7 +159,7 @@ class RankWriterSide:
         elif isinstance(effect, ReportToMain | ForwardToMain):
             self.pending_completion_notifs.append(effect)
         elif isinstance(effect, SendPushReg):
-            self._send_push_reg(effect.request_id, effect.registration, now)
+            self._send_push_reg(effect, now)
         elif isinstance(effect, IssueRead):
             self._issue_read(effect, now)
         elif isinstance(effect, SendPushFail):
@@ -190,8 +191,12 @@ class RankWriterSide:
 
     # -- D: PUSH_REG (R-P02, R-T04) -----------------------------------------------------
 
-    def _send_push_reg(self, request_id: str, reg: PushRegistration, now: float) -> None:
-        """To every P rank that writes into this one, every stage of a PP producer."""
+    def _send_push_reg(self, effect: SendPushReg, now: float) -> None:
+        """To every P rank that writes into this one, every stage of a PP producer. B-08:
+        when P's agent is gone (P restarted since the handshake: an idle D sent no
+        heartbeat that would have found out), forget it, re-handshake and send once more
+        before the registration fails."""
+        request_id, reg = effect.request_id, effect.registration
         engine = reg.remote_engine_id
         info = self.transport.engine(engine)
         failure = ""
@@ -209,6 +214,12 @@ class RankWriterSide:
                 try:
                     self.transport.send_notif(engine, rank, message)
                 except KvHandoffError as exc:
+                    if peer_gone(exc) and not effect.retried and rank == ranks[0]:
+                        log.info("PUSH_REG %s: %s is gone; re-handshaking", request_id, engine)
+                        self.writer.on_peer_lost(engine, now)
+                        self.writer.retry(ReplayRegistration(request_id, reg, True), now)
+                        self._execute(now)
+                        return
                     failure = f"rank {rank}: {exc}"
                     self._forget_if_gone(engine, exc, now)
                     break

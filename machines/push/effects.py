@@ -221,6 +221,8 @@ class ReplayRegistration(Effect):
 
     request_id: str
     registration: PushRegistration
+    retried: bool = False
+    """Sent again after a re-handshake (B-08): P's agent was gone (P restarted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +276,7 @@ class SendPushReg(Effect):
 
     request_id: str
     registration: PushRegistration
+    retried: bool = False
 
 
 @dataclass(frozen=True, slots=True)

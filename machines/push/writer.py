@@ -229,9 +229,11 @@ class PushWriter:
             self._note_awaiting(base, inst)
             self._update_self_poll()
 
-    def retry(self, op: ReplayPush, now: float) -> None:
-        """Send a push through D's remote engine again (after its agents were forgotten)."""
-        self._through(op.engine_id, op, now)
+    def retry(self, op: ReplayPush | ReplayRegistration, now: float) -> None:
+        """Send a push, or a `PUSH_REG`, through the peer's remote engine again (after its
+        agents were forgotten, B-08)."""
+        engine = op.engine_id if isinstance(op, ReplayPush) else op.registration.remote_engine_id
+        self._through(engine, op, now)
 
     def advance(self, now: float) -> None:
         """Fire what is due by `now` (pending registrations, tombstones, handshakes,
@@ -412,7 +414,7 @@ class PushWriter:
             assert isinstance(op, ReplayPush)
             self._through(op.engine_id, op, self.bus.now)
         elif isinstance(op, ReplayRegistration):
-            self._effects.append(SendPushReg(op.request_id, op.registration))
+            self._effects.append(SendPushReg(op.request_id, op.registration, op.retried))
         elif isinstance(op, ReplayPush):
             self._effects.append(IssueWrite(op))
         else:
