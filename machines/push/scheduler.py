@@ -357,10 +357,11 @@ class PushScheduler:
     ) -> None:
         for tag in tags:
             kind.check_tag(tag)
+        wanted = frozenset(tags)
         bus = self.bus
         for request_id in request_ids:
             inst = bus.get(kind, request_id)
-            if inst is not None and any(tag in inst.node.tags for tag in tags):
+            if inst is not None and not wanted.isdisjoint(inst.node.tags):
                 bus.dispatch(kind, request_id, event, now)
             else:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report
