@@ -23,7 +23,7 @@ logged per peer, rate-limited (`rejections`, S-06), never raised out of the engi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -106,6 +106,8 @@ class PushWorker:
         machine_config = self.config.machine_config()
         for kind in RANK_KINDS:
             self.bus.register(kind, machine_config)
+        # D's heartbeats name a lease by D's id: matched by base id without a scan (R-P04).
+        self.bus.alias(self.p_kind, _base_id)
         self.layout: MemberLayout | None = None
         self.rejections = RejectionLog(log, what="notif")
         self.step = 0
@@ -299,15 +301,14 @@ class PushWorker:
         ids. Each lease takes it only from the D engine it is bound to (S-02)."""
         kind = self.p_kind
         bus = self.bus
-        by_base = {get_base_request_id(str(i.key)): str(i.key) for i in bus.instances(kind)}
+        beat = Heartbeat(engine, sender)
         unknown = []
         for request_id in request_ids:
-            key = request_id if bus.get(kind, request_id) is not None else None
-            key = key or by_base.get(get_base_request_id(request_id))
-            if key is None:
+            inst = bus.get(kind, request_id) or bus.by_alias(kind, get_base_request_id(request_id))
+            if inst is None:
                 unknown.append(request_id)
             else:
-                bus.dispatch(kind, key, Heartbeat(engine, sender), now)
+                bus.dispatch(kind, inst.key, beat, now)
         return unknown
 
     # -- reports to the scheduler --------------------------------------------------------
@@ -332,6 +333,10 @@ class PushWorker:
         cause = effect.cause if effect.cause in FAILURE_CAUSES else "post"
         failures = self._output.failures
         failures[cause] = failures.get(cause, 0) + 1
+
+
+def _base_id(key: Hashable) -> Hashable:
+    return get_base_request_id(str(key))
 
 
 def _for_rank(registration: PushRegistration, tp_rank: int) -> PushRegistration:

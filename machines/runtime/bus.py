@@ -135,6 +135,8 @@ class EventBus(TimerQueues):
         inst = Instance(machine, key, ctx, next(self._serials))
         index[key] = inst
         machine.created += 1
+        if machine.alias_of is not None:
+            machine.aliases[machine.alias_of(key)] = inst
         if machine.watched:
             tags = inst.node.tags
             for tag, members in machine.watched.items():
@@ -175,6 +177,19 @@ class EventBus(TimerQueues):
         """Keep `tag`'s members as instances enter and leave it: `tagged(kind, tag)` then
         costs what it returns. Only routes that change membership leave the fast path."""
         self.machine(kind).watch(tag)
+
+    def alias(self, kind: Declaration[Any], alias_of: Callable[[Hashable], Hashable]) -> None:
+        """Keep a second key per live instance of `kind`, `alias_of(key)` (how a peer names
+        it: a base request id, say); `by_alias` then finds it without a scan. When two
+        live instances share an alias, the newer one answers."""
+        machine = self.machine(kind)
+        machine.alias_of = alias_of
+        machine.aliases = {alias_of(key): inst for key, inst in machine.index.items()}
+
+    def by_alias(self, kind: Declaration[C], alias: Hashable) -> Instance[C] | None:
+        """The live instance of `kind` whose alias is `alias` (see `alias`)."""
+        machine = self._machines.get(kind)
+        return None if machine is None else machine.aliases.get(alias)
 
     def has_tag(self, kind: Declaration[C], key: Hashable, tag: str) -> bool:
         """Whether (kind, key) is live and its state carries the declared `tag`."""
@@ -377,6 +392,12 @@ class EventBus(TimerQueues):
         del index[inst.key]
         for members in inst.machine.watched.values():
             members.pop(inst.key, None)
+        alias_of = inst.machine.alias_of
+        if alias_of is not None:
+            aliases = inst.machine.aliases
+            alias = alias_of(inst.key)
+            if aliases.get(alias) is inst:
+                del aliases[alias]
         if inst.timer is not None:
             self._cancel(inst, inst.timer)
         inst.machine.retired += 1

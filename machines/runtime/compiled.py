@@ -179,6 +179,10 @@ class CompiledMachine(Generic[C]):
         # Watched tags: the live instances whose state carries the tag, kept up to date by
         # the bus so `tagged` costs what it returns, not one test per live instance.
         self.watched: dict[str, dict[Hashable, Instance[C]]] = {}
+        # A second key per live instance (`EventBus.alias`): how peers name it, kept up to
+        # date by the bus as instances are created and retired.
+        self.alias_of: Callable[[Hashable], Hashable] | None = None
+        self.aliases: dict[Hashable, Instance[C]] = {}
         self._fast_enabled = True
         self.ignored_count = 0
         self.rejected_count = 0
