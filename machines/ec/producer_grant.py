@@ -84,7 +84,11 @@ class GrantCtx:
     """The region as vLLM's per-block descriptor list, for stock consumers (C-03)."""
     notif_key: str = ""
     """`<session_id>:<mm_hash>`: the READ notif that releases this grant ('' without a
-    session)."""
+    session, and for a consumer that advertised `xfer_done`: it releases with `XferDone`
+    only, S-02)."""
+    notif_sender: str = ""
+    """The NIXL agent the consumer announced (`consumer_agent_name`): its READ notif
+    counts only from that agent ('' from a stock vLLM consumer, which announces none)."""
     lease_s: float = DEFAULT_PIN_LEASE_S
     """How long a granted pin is held (`pin_lease_s`), announced in the ack."""
     max_per_peer: float = DEFAULT_MAX_GRANTS_PER_PEER
