@@ -8,10 +8,10 @@ metadata changed (a producer restarted under the same engine id): no separate ha
 (R-E11). New metadata under a known name from another producer address is refused while
 READs of the known agent are in flight (S-02: agent names are self-declared; one producer
 must not fail another's READs by claiming its name). Each loaded agent's lifecycle
-(loaded, reading, stale, forgotten) is an `ec.producer_agent` machine on the reader's own bus; the reader only executes its
-effects (`ForgetAgent`, `FailReads`). The producer's region is prepared as descriptors
-too; the grant does not say how large that region is, so the prepared list grows to
-cover the highest granted block.
+(loaded, reading, stale, forgotten) is an `ec.producer_agent` machine on the reader's
+own bus; the reader only executes its effects (`ForgetAgent`, `FailReads`). The
+producer's region is prepared as descriptors too; the grant does not say how large that
+region is, so the prepared list grows to cover the highest granted block.
 
 Each posted READ's handle is an `ec.read_handle` machine on the same bus (posted,
 completed, released, or failed and reported when its agent was replaced).
