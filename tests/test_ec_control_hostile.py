@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.adapters.zmq.control import ControlClient, ControlServer
+from kvhandoff.adapters.zmq.control import MAX_REQUEST_BYTES, ControlClient, ControlServer
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.ec_status import XferStatus, compatibility_hash
@@ -71,7 +71,7 @@ _payloads = st.one_of(
             {"kind": "XferReq", "version": 1, "transfer_id": "t", "mm_hash": "m"}
         )
     ),
-    st.just(b"\x00" * (1 << 20)),  # a megabyte of junk (under the socket cap)
+    st.just(b"\x00" * (MAX_REQUEST_BYTES + 1)),  # over the request cap, under the socket's
 )
 
 

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from kvhandoff.adapters.ec_side import ECSide
 from kvhandoff.adapters.nixl.agent import NixlAgent
 from kvhandoff.adapters.nixl.ec_reader import ECNixlReader
-from kvhandoff.adapters.zmq.control import ControlClient
+from kvhandoff.adapters.zmq.control import MAX_REQUEST_BYTES, ControlClient
 from kvhandoff.demo.ec_requests import BLOCK_BYTES, COMPAT, HIDDEN, encoding
 from kvhandoff.machines.ec.consumer_read import IssueRead
 from kvhandoff.machines.ec.meta import ECRequestInfo
@@ -53,7 +54,7 @@ def until(step: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.0005)  # yield the CPU between steps; never a synchronisation
 
 
-def producer_side(**extra: Any) -> ECSide:
+def producer_side(machine_config: dict[str, float] | None = None, **extra: Any) -> ECSide:
     config = ECTransferConfig(
         ec_connector="ECCPUConnector",
         ec_role="ec_producer",
@@ -65,7 +66,13 @@ def producer_side(**extra: Any) -> ECSide:
         engine_id=unique("binding-producer"),
     )
     layout = ECLayout(HIDDEN, 2, NUM_BLOCKS * BLOCK_BYTES)
-    return ECSide(config, layout, compat_hash=COMPAT, listen=("127.0.0.1", 0))
+    return ECSide(
+        config,
+        layout,
+        compat_hash=COMPAT,
+        listen=("127.0.0.1", 0),
+        machine_config=machine_config,
+    )
 
 
 def publish(side: ECSide, mm_hash: str, tokens: int = 2) -> None:
@@ -294,3 +301,80 @@ def test_S_02_a_producer_claiming_anothers_agent_name_fails_none_of_its_reads() 
     finally:
         for agent in (consumer, a.agent, b.agent):
             agent.close()
+
+
+# -- the producer's ROUTER: sizes and hosts (items 3 and 5) -----------------------------
+
+
+def dealer(port: int, source: str = "") -> zmq.Socket[bytes]:
+    """A raw DEALER to the producer, from `source` (a loopback address) when given."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{source}:0;127.0.0.1:{port}" if source else f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def ask_raw(side: ECSide, sock: zmq.Socket[bytes], req: XferReq) -> XferAck:
+    sock.send_multipart([b"", encode_xfer_req(req)])
+    got: list[XferAck] = []
+
+    def answered() -> bool:
+        side.poll()
+        while sock.poll(0, zmq.POLLIN):
+            got.append(decode_xfer_ack(sock.recv_multipart()[-1]))
+        return bool(got)
+
+    until(answered, f"the answer to {req.mm_hash}")
+    return got[0]
+
+
+def test_S_01_the_producer_router_drops_messages_over_the_request_cap(producer: ECSide) -> None:
+    """The ROUTER serves requests of a few KiB: one over the request cap is dropped by the
+    frame check (counted, logged); one over twice the cap never reaches the producer (ZMQ
+    closes that connection, which is counted and logged); the next request is served."""
+    server = producer.server
+    assert server is not None and server.max_message_bytes == MAX_REQUEST_BYTES
+    rude = dealer(producer.publish_port)
+    try:
+        before = (server.oversized, server.disconnects, producer.rejected)
+        rude.send_multipart([b"", b"\xc1" * (MAX_REQUEST_BYTES + 100)])
+        until(lambda: producer.poll() >= 0 and server.oversized > before[0], "the frame check")
+        rude.send_multipart([b"", b"\xc1" * (1 << 20)])
+        until(lambda: producer.poll() >= 0 and server.disconnects > before[1], "ZMQ's drop")
+        assert producer.rejected >= before[2] + 2, "both counted"
+        reasons = producer.counters()["rejected_by_reason"]
+        assert not any(r.startswith("EC message of") for r in reasons), "none was decoded"
+    finally:
+        rude.close(linger=0)
+    polite = dealer(producer.publish_port)
+    try:
+        mm_hash = unique("img-after-big")
+        publish(producer, mm_hash)
+        ack = ask_raw(producer, polite, kvhandoff_request(mm_hash, "s", "agent-polite"))
+        assert ack.status is XferStatus.OK
+    finally:
+        polite.close(linger=0)
+
+
+def test_S_03_grant_caps_count_a_host_not_its_identities() -> None:
+    """ZMQ identities are free: three DEALERs of one host share its per-host cap (2 here),
+    and a consumer of another host is still granted."""
+    caps = {"producer_max_grants_per_host": 2.0, "producer_max_grants_per_peer": 256.0}
+    with producer_side(caps) as side:
+        hashes = [unique(f"img-cap{i}") for i in range(4)]
+        for mm_hash in hashes:
+            publish(side, mm_hash)
+        socks = [dealer(side.publish_port) for _ in range(3)]
+        other = dealer(side.publish_port, source="127.0.0.2")
+        try:
+            statuses = [
+                ask_raw(side, sock, kvhandoff_request(h, f"s{i}", f"agent-{i}")).status
+                for i, (sock, h) in enumerate(zip(socks, hashes, strict=False))
+            ]
+            assert statuses == [XferStatus.OK, XferStatus.OK, XferStatus.NACK_INTERNAL]
+            elsewhere = ask_raw(side, other, kvhandoff_request(hashes[3], "s9", "agent-9"))
+            assert elsewhere.status is XferStatus.OK, "another host is not starved"
+            assert side.scheduler.bus.metrics.get("ec.producer.over_cap", 0) == 1
+        finally:
+            for sock in [*socks, other]:
+                sock.close(linger=0)

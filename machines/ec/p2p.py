@@ -326,6 +326,7 @@ class P2PProducer:
         machine = bus.register(EC_PRODUCER_GRANT, config)
         self.lease_s = machine.config["pin_lease_s"]
         self.max_per_peer = machine.config["producer_max_grants_per_peer"]
+        self.max_per_host = machine.config["producer_max_grants_per_host"]
         self.max_total = machine.config["producer_max_grants"]
 
     def pins(self) -> Counter[bytes | str]:
@@ -342,11 +343,18 @@ class P2PProducer:
             base_addr, layout.block_size_bytes, layout.num_blocks
         )
 
+    def pins_by_host(self) -> Counter[str]:
+        """Pins the consumers of each host hold now (S-03: a host may open any number of
+        ZMQ identities, so it is capped as a whole too)."""
+        return Counter(inst.ctx.host for inst in self.bus.tagged(EC_PRODUCER_GRANT, "leased"))
+
     def grants(self) -> list[Instance[GrantCtx]]:
         return self.bus.instances(EC_PRODUCER_GRANT)
 
-    def on_message(self, peer: bytes | str, data: bytes, now: float) -> None:
-        """A consumer's `XferReq` or `XferDone` arrived on the ROUTER from identity `peer`."""
+    def on_message(self, peer: bytes | str, data: bytes, now: float, *, host: str = "") -> None:
+        """A consumer's `XferReq` or `XferDone` arrived on the ROUTER from identity `peer`,
+        connected from `host` (its address: identities are free, so caps count hosts too,
+        S-03; '' when the adapter does not know it)."""
         shown = peer.hex() if isinstance(peer, bytes) else peer
         try:
             msg = ec_wire.decode_producer_message(data, peer=shown)
@@ -355,11 +363,13 @@ class P2PProducer:
             raise
         self.bus.advance(now)
         if isinstance(msg, ec_wire.XferReq):
-            self._on_request(peer, msg, shown, now)
+            self._on_request(peer, msg, shown, now, host)
         else:
             self._on_done(peer, msg, shown, now)
 
-    def _on_request(self, peer: bytes | str, req: ec_wire.XferReq, shown: str, now: float) -> None:
+    def _on_request(
+        self, peer: bytes | str, req: ec_wire.XferReq, shown: str, now: float, host: str
+    ) -> None:
         name = f"{req.session_id}:{req.mm_hash}" if req.session_id else ""
         # A stock vLLM consumer sends no transfer id: its grant is named by its session.
         key = (peer, req.transfer_id or name)
@@ -377,7 +387,7 @@ class P2PProducer:
             self.superseded += 1
             self.bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(False), now)
         entry = self.cache.entry(req.mm_hash)
-        pins = self.pins()
+        pins, by_host = self.pins(), self.pins_by_host()
         check = Check(
             req=req,
             expected_hash=self.compat_hash,
@@ -386,11 +396,13 @@ class P2PProducer:
             entry_blocks=() if entry is None else entry.ctx.blocks,
             entry_size_bytes=0 if entry is None else entry.ctx.size_bytes,
             peer_grants=pins[peer],
+            host_grants=by_host[host] if host else 0,
             total_grants=pins.total(),
         )
         ctx = GrantCtx(
             key,
             peer=peer,
+            host=host,
             mm_hash=req.mm_hash,
             agent_name=self.agent_name,
             agent_metadata=self.agent_metadata,
@@ -401,6 +413,7 @@ class P2PProducer:
             notif_sender=req.consumer_agent_name,
             lease_s=self.lease_s,
             max_per_peer=self.max_per_peer,
+            max_per_host=self.max_per_host,
             max_total=self.max_total,
         )
         self.bus.create(EC_PRODUCER_GRANT, ctx, now)
