@@ -191,11 +191,15 @@ def read_invariants(inst: Instance[ReadCtx]) -> None:
 def test_R_E08_R_E12_consumer_read_model() -> None:
     model_test(
         EC_CONSUMER_READ,
-        max_examples=300,  # 27 transitions; 150 examples leave one to chance
+        max_examples=300,  # 28 transitions; 150 examples leave one to chance
         context=READ_CTX,
         payloads={
             Ack: ACKS.map(lambda reply: Ack(reply, 0.0)),
-            Send: st.builds(Send, st.text("0123456789abcdef", min_size=32, max_size=32)),
+            Send: st.builds(
+                Send,
+                st.text("0123456789abcdef", min_size=32, max_size=32),
+                st.sampled_from([0.0, 0.0, 120.0]),  # 120 s: past the not-ready budget
+            ),
             Join: st.builds(Join, WAITERS),
             Leave: st.builds(Leave, WAITERS),
         },
