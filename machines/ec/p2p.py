@@ -149,6 +149,11 @@ class P2PConsumer:
     def read(self, mm_hash: str) -> Instance[ReadCtx] | None:
         return self.bus.get(EC_CONSUMER_READ, mm_hash)
 
+    def has_reads(self) -> bool:
+        """Whether any read lives (in flight, retrying or quarantined): its timeouts and
+        completions need the engine's steps."""
+        return self.bus.live(EC_CONSUMER_READ) > 0
+
     def in_flight(self, mm_hash: str) -> bool:
         """True while requests must wait for this read (not quarantined, not over)."""
         return self.bus.has_tag(EC_CONSUMER_READ, mm_hash, "in_flight")

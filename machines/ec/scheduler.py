@@ -198,6 +198,17 @@ class ECScheduler(P2PAdapterEvents):
         self._open("poll")
         return self.bus.fire_due(now)
 
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for this connector (vLLM 0.33's
+        `has_pending_push_work`): while a save or a load is unconfirmed or an entry is held
+        (R-E05), while a P2P read is in flight, and always on a P2P producer, whose work
+        (`XferReq`s, READ notifs, pin leases) arrives from peers between requests."""
+        self._open("has_pending_work")
+        if self.producer is not None or self.cache.has_held():
+            return True
+        consumer = self.consumer
+        return consumer is not None and consumer.has_reads()
+
     def local_reason(self, request_id: str, mm_hash: str) -> str:
         """Why `mm_hash` of a live request is encoded locally ("" if it is not)."""
         inst = self.bus.get(EC_REQUEST, request_id)
