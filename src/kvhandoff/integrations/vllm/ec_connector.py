@@ -193,6 +193,7 @@ def ec_request(
         ),
         mm_tokens=tuple(_num_embeds(f) for f in features),
         mm_modalities=tuple(str(getattr(f, "modality", "") or "") for f in features),
+        mm_ends=tuple(int(f.mm_position.offset) + int(f.mm_position.length) for f in features),
     )
 
 
