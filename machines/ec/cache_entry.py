@@ -26,9 +26,7 @@ and tells the eviction order when it becomes evictable or not (`MarkEvictable`);
 `EmbeddingCache` executes those effects.
 
 Tags: `awaiting_bytes` (allocated: a save or READ destination), `loadable` (ready or
-pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody),
-`held` (allocated or pinned: a save, READ or load is unconfirmed, or someone holds it;
-the engine must keep stepping, as vLLM 0.33's connector keeps it).
+pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody).
 """
 
 from __future__ import annotations
@@ -150,11 +148,11 @@ EC_CACHE_ENTRY: Declaration[EntryCtx] = Declaration(
     ),
     states=[
         # Its bytes are not there yet: a save or a READ is filling it.
-        {"name": "allocated", "tags": ("awaiting_bytes", "held")},
+        {"name": "allocated", "tags": ("awaiting_bytes",)},
         # Its bytes are there and nobody holds it: FIFO may evict it.
         {"name": "ready", "tags": ("loadable", "evictable")},
         # Its bytes are there and someone holds it: never evicted.
-        {"name": "pinned", "tags": ("loadable", "held")},
+        {"name": "pinned", "tags": ("loadable",)},
         {"name": "evicted", "final": True},
     ],
     initial="allocated",
