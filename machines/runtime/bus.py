@@ -133,15 +133,7 @@ class EventBus(TimerQueues):
         if key in index:
             raise LocalProtocolError(f"machine {kind.name!r}: instance {key!r} already exists")
         inst = Instance(machine, key, ctx, next(self._serials))
-        index[key] = inst
-        machine.created += 1
-        if machine.alias_of is not None:
-            machine.aliases[machine.alias_of(key)] = inst
-        if machine.watched:
-            tags = inst.node.tags
-            for tag, members in machine.watched.items():
-                if tag in tags:
-                    members[key] = inst
+        machine.admit(inst)
         queue = machine.initial.timer_queue  # `_arm`, inlined as in `dispatch`
         if queue is not None:
             deadline = self._now + machine.initial.timeout_seconds  # type: ignore[operator]
@@ -182,9 +174,7 @@ class EventBus(TimerQueues):
         """Keep a second key per live instance of `kind`, `alias_of(key)` (how a peer names
         it: a base request id, say); `by_alias` then finds it without a scan. When two
         live instances share an alias, the newer one answers."""
-        machine = self.machine(kind)
-        machine.alias_of = alias_of
-        machine.aliases = {alias_of(key): inst for key, inst in machine.index.items()}
+        self.machine(kind).alias(alias_of)
 
     def by_alias(self, kind: Declaration[C], alias: Hashable) -> Instance[C] | None:
         """The live instance of `kind` whose alias is `alias` (see `alias`)."""
@@ -386,21 +376,10 @@ class EventBus(TimerQueues):
                 handler(inst, effect)
 
     def _retire(self, inst: Instance[Any]) -> None:
-        index = inst.machine.index
-        if index.get(inst.key) is not inst:
+        if not inst.machine.release(inst):
             return
-        del index[inst.key]
-        for members in inst.machine.watched.values():
-            members.pop(inst.key, None)
-        alias_of = inst.machine.alias_of
-        if alias_of is not None:
-            aliases = inst.machine.aliases
-            alias = alias_of(inst.key)
-            if aliases.get(alias) is inst:
-                del aliases[alias]
         if inst.timer is not None:
             self._cancel(inst, inst.timer)
-        inst.machine.retired += 1
         for hook in self._retire_hooks:
             hook(inst)
 
