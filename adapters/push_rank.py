@@ -3,7 +3,7 @@
 
 `PushRank` wires one rank's sans-IO halves to its `PushTransport`:
 
-- the main thread's half (`worker`, `kvhandoff.machines.push.worker`) on its own bus;
+- the main thread's half (`worker`, `kvhandoff.machines.rank.worker`) on its own bus;
 - the writer core (`writer`) on a bus of its own;
 - the seed's cross-thread hand-offs, each with one producer side and one consumer:
   `writer_inbox` (main -> writer: the seed's reg-send, finished-blocks and
@@ -38,7 +38,7 @@ from kvhandoff.adapters.push_rank_writer import (
     RankWriterSide,
 )
 from kvhandoff.adapters.push_transport import PushTransport, TransferHandle, peer_gone
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     DroppedRegistration,
     EvictRegistration,
     PollTransfer,
@@ -52,11 +52,11 @@ from kvhandoff.machines.push.effects import (
     WakeWriter,
     WriterCommand,
 )
-from kvhandoff.machines.push.events import ReadDone, ReadError, WriteDone, WriteError
+from kvhandoff.machines.kv.events import ReadDone, ReadError, WriteDone, WriteError
 from kvhandoff.machines.push.meta import PushConnectorMeta, PushWorkerOutput
 from kvhandoff.machines.push.scheduler import Mode, Role
-from kvhandoff.machines.push.worker import PushWorker, WriterItem
 from kvhandoff.machines.push.writer import PushWriter
+from kvhandoff.machines.rank.worker import PushWorker, WriterItem
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.events import Event

@@ -25,7 +25,7 @@ from kvhandoff.adapters.push_transport import (
     TransferHandle,
     peer_gone,
 )
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     ArmSelfPoll,
     DisarmSelfPoll,
     DroppedRegistration,
@@ -42,7 +42,7 @@ from kvhandoff.machines.push.effects import (
     StartHandshake,
     WriterCommand,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     ReadPosted,
     ReadSubmitFailed,
     RegSent,
@@ -51,8 +51,8 @@ from kvhandoff.machines.push.events import (
     WriteSubmitFailed,
 )
 from kvhandoff.machines.push.scheduler import Mode, Role
-from kvhandoff.machines.push.worker import WriterItem
 from kvhandoff.machines.push.writer import PushWriter
+from kvhandoff.machines.rank.worker import WriterItem
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.protocol.auth import ClusterKey, NonceSource

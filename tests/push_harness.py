@@ -10,11 +10,11 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kvhandoff.machines.push.effects import ForwardToMain, ReportToMain, WakeWriter
+from kvhandoff.machines.kv.effects import ForwardToMain, ReportToMain, WakeWriter
 from kvhandoff.machines.push.meta import PushConnectorOutput, PushWorkerOutput
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
-from kvhandoff.machines.push.worker import PushWorker, WriterItem
 from kvhandoff.machines.push.writer import PushWriter
+from kvhandoff.machines.rank.worker import PushWorker, WriterItem
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.events import Event

@@ -12,6 +12,7 @@ from kvhandoff.specs import expected_specs, stale_specs, write_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 _SIM_AND_TOOLS = ("kvhandoff.sim", "kvhandoff.bench", "kvhandoff.demo", "kvhandoff.soak")
+_NOT_BELOW_RANK = ("kvhandoff.machines.ec", "kvhandoff.machines.rank")
 FORBIDDEN = {
     # Dependencies point one way: adapters -> machines -> protocol. Production code never
     # imports the simulation, the benchmarks or the demo.
@@ -24,9 +25,23 @@ FORBIDDEN = {
         "kvhandoff.machines.pull",
         "kvhandoff.machines.ec",
     ),
-    "machines/ec": ("kvhandoff.machines.push", "kvhandoff.machines.pull"),
-    "machines/push": ("kvhandoff.machines.ec",),
-    "machines/pull": ("kvhandoff.machines.ec",),
+    "machines/ec": (
+        "kvhandoff.machines.push",
+        "kvhandoff.machines.pull",
+        "kvhandoff.machines.kv",
+        "kvhandoff.machines.rank",
+    ),
+    # Push and pull share the base (`machines/kv`: the events and effects of both modes)
+    # and never import each other; the rank's main-thread half, which runs either mode,
+    # sits above both, and nothing below imports it.
+    "machines/kv": (
+        "kvhandoff.machines.push",
+        "kvhandoff.machines.pull",
+        "kvhandoff.machines.rank",
+        "kvhandoff.machines.ec",
+    ),
+    "machines/push": (*_NOT_BELOW_RANK, "kvhandoff.machines.pull"),
+    "machines/pull": (*_NOT_BELOW_RANK, "kvhandoff.machines.push"),
 }
 
 

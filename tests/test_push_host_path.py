@@ -20,10 +20,10 @@ from kvhandoff.bench.probes.push_writer_pass import (
     MemoryTransport,
     connect_deferred,
 )
-from kvhandoff.machines.push.effects import SendRegistration, StartHandshake
+from kvhandoff.machines.kv.effects import SendRegistration, StartHandshake
 from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
-from kvhandoff.machines.push.worker import REPORTS_BETWEEN, PushWorker
+from kvhandoff.machines.rank.worker import REPORTS_BETWEEN, PushWorker
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 from kvhandoff.protocol.notifs import encode_completion_notif
 from kvhandoff.protocol.push_config import PushConfig

@@ -32,7 +32,7 @@ from push_wire_strategies import (
     sample_handshake,
 )
 
-from kvhandoff.machines.push.events import HandshakeStarted, Heartbeat, Matched, Staged
+from kvhandoff.machines.kv.events import HandshakeStarted, Heartbeat, Matched, Staged
 from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.push.writer import PushWriter

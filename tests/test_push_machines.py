@@ -11,10 +11,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.d_request import D_REQUEST
-from kvhandoff.machines.push.effects import RankRegistration, ReplayPush, ReplayRegistration
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.effects import RankRegistration, ReplayPush, ReplayRegistration
+from kvhandoff.machines.kv.events import (
     Completion,
     Drained,
     Heartbeat,
@@ -27,6 +25,8 @@ from kvhandoff.machines.push.events import (
     WriteError,
     WriteFailed,
 )
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.match import MATCH, BlocksArrived, Issued, RegArrived, Revoke
 from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.p_request import P_REQUEST
@@ -239,9 +239,9 @@ def test_B09_pull_machines_model() -> None:
 
 
 def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:
+    from kvhandoff.machines.kv.effects import ReleaseTransfer, ReportFailedRecving
+    from kvhandoff.machines.kv.events import Enqueued, Poll, ReadPosted
     from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
-    from kvhandoff.machines.push.effects import ReleaseTransfer, ReportFailedRecving
-    from kvhandoff.machines.push.events import Enqueued, Poll, ReadPosted
     from kvhandoff.machines.runtime.bus import EventBus
     from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
 

@@ -18,9 +18,9 @@ import msgspec
 import pytest
 from push_harness import P_AGENT, P_COORDS, Halves, from_p, report
 
+from kvhandoff.machines.kv.effects import ReportToMain
+from kvhandoff.machines.kv.events import Matched, RegSent
 from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.effects import ReportToMain
-from kvhandoff.machines.push.events import Matched, RegSent
 from kvhandoff.machines.push.meta import (
     PullRead,
     PushConnectorMeta,
@@ -28,7 +28,7 @@ from kvhandoff.machines.push.meta import (
     PushWorkerOutput,
 )
 from kvhandoff.machines.push.p_lease import P_LEASE
-from kvhandoff.machines.push.worker import WriterItem
+from kvhandoff.machines.rank.worker import WriterItem
 from kvhandoff.protocol.legs import PullSource, decode_leg
 from kvhandoff.protocol.notifs import (
     CompletionNotif,

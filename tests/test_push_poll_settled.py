@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from push_harness import CONFIG, D_ENGINE, Halves, report
 
-from kvhandoff.machines.push.effects import PollTransfer, ReleaseTransfer
-from kvhandoff.machines.push.events import Matched, WritePosted
+from kvhandoff.machines.kv.effects import PollTransfer, ReleaseTransfer
+from kvhandoff.machines.kv.events import Matched, WritePosted
 from kvhandoff.machines.push.p_lease import P_LEASE
 
 

@@ -35,9 +35,7 @@ from push_harness import (
     writer,
 )
 
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.d_request import D_REQUEST
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     ArmSelfPoll,
     DisarmSelfPoll,
     ForwardToMain,
@@ -50,7 +48,7 @@ from kvhandoff.machines.push.effects import (
     StageBlocks,
     StartHandshake,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     HandshakeDone,
     HandshakeFailed,
     HandshakeStarted,
@@ -58,6 +56,8 @@ from kvhandoff.machines.push.events import (
     RegSent,
     Revoked,
 )
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.meta import PushConnectorMeta
 from kvhandoff.machines.push.p_lease import P_LEASE

@@ -31,15 +31,15 @@ from push_harness import (
     writer,
 )
 
-from kvhandoff.machines.push.d_registration import D_REGISTRATION
-from kvhandoff.machines.push.d_request import D_REQUEST
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     DropRemoteAgent,
     RevokeLease,
     StageBlocks,
     StartHandshake,
 )
-from kvhandoff.machines.push.events import Matched, Revoked, WritePosted, WriteSubmitFailed
+from kvhandoff.machines.kv.events import Matched, Revoked, WritePosted, WriteSubmitFailed
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
+from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.p_request import P_REQUEST

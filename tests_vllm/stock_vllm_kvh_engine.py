@@ -136,7 +136,7 @@ class _Rank:
         return read_blocks(self.caches, blocks)
 
     def state(self) -> dict[str, Any]:
-        from kvhandoff.machines.push.worker import RANK_KINDS
+        from kvhandoff.machines.rank.worker import RANK_KINDS
 
         rank = self.rank
         return {

@@ -99,7 +99,7 @@ class _WorkerState:
         }
 
     def _kvhandoff_state(self) -> dict[str, Any]:
-        from kvhandoff.machines.push.worker import RANK_KINDS
+        from kvhandoff.machines.rank.worker import RANK_KINDS
 
         rank = self.connector.rank
         assert rank is not None, "register_kv_caches built no kvhandoff rank"

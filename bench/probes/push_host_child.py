@@ -186,8 +186,8 @@ def main(argv: list[str]) -> int:
     if _TIMERS:
         from kvhandoff.adapters.push_rank_writer import RankWriterSide
         from kvhandoff.adapters.push_side import PushSide
-        from kvhandoff.machines.push.worker import PushWorker
         from kvhandoff.machines.push.writer import PushWriter
+        from kvhandoff.machines.rank.worker import PushWorker
 
         for cls, names in (
             (PushRank, ("writer_pass", "step", "_take_writer_items")),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     CountFailure,
     PollTransfer,
     ReleaseTransfer,
@@ -37,7 +37,7 @@ from kvhandoff.machines.push.effects import (
     RevokeRead,
     StartRead,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     End,
     Enqueued,
     HandshakeDone,

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvhandoff.machines.push.effects import ReportFinishedSending
-from kvhandoff.machines.push.events import Completion, Heartbeat, LeaseExpired
+from kvhandoff.machines.kv.effects import ReportFinishedSending
+from kvhandoff.machines.kv.events import Completion, Heartbeat, LeaseExpired
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 

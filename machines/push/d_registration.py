@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     CountFailure,
     EvictRegistration,
     ReportEnded,
@@ -32,7 +32,7 @@ from kvhandoff.machines.push.effects import (
     ReportFinishedRecving,
     SendRegistration,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     Completion,
     End,
     Enqueued,

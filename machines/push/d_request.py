@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     ReportFailedRecving,
     ReportFinishedRecving,
     ReportReleased,
     Warn,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     Abort,
     Drained,
     RankEnded,

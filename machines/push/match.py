@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     CancelDeferred,
     DroppedRegistration,
     HoldPending,
@@ -39,7 +39,7 @@ from kvhandoff.machines.push.effects import (
     ReplayPush,
     ReportToMain,
 )
-from kvhandoff.machines.push.events import Matched, Revoked
+from kvhandoff.machines.kv.events import Matched, Revoked
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Metric
 from kvhandoff.machines.runtime.events import Event, PeerEvent

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     CountFailure,
     PollTransfer,
     ReleaseTransfer,
@@ -44,7 +44,7 @@ from kvhandoff.machines.push.effects import (
     StageBlocks,
     Warn,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     HandshakeDone,
     HandshakeFailed,
     HandshakeStarted,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import ReportFinishedSending
-from kvhandoff.machines.push.events import Drained, RankSent
+from kvhandoff.machines.kv.effects import ReportFinishedSending
+from kvhandoff.machines.kv.events import Drained, RankSent
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Metric
 

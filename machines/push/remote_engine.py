@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     DeferredFailed,
     DeferredOp,
     DropRemoteAgent,
@@ -37,7 +37,7 @@ from kvhandoff.machines.push.effects import (
     ReportToMain,
     StartHandshake,
 )
-from kvhandoff.machines.push.events import HandshakeDone, HandshakeStarted
+from kvhandoff.machines.kv.events import HandshakeDone, HandshakeStarted
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 from kvhandoff.machines.runtime.events import Event

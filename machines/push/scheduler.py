@@ -29,15 +29,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from kvhandoff.machines.push.d_request import D_REQUEST, DRequestCtx
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     ReportFailedRecving,
     ReportFinishedRecving,
     ReportFinishedSending,
     ReportReleased,
     Warn,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     Abort,
     Drained,
     RankEnded,
@@ -46,6 +45,7 @@ from kvhandoff.machines.push.events import (
     RankRecvFailed,
     RankSent,
 )
+from kvhandoff.machines.push.d_request import D_REQUEST, DRequestCtx
 from kvhandoff.machines.push.meta import (
     FAILURE_CAUSES,
     PullRead,

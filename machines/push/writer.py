@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     ArmSelfPoll,
     CancelDeferred,
     DeferredFailed,
@@ -57,7 +57,7 @@ from kvhandoff.machines.push.effects import (
     StartRead,
     WriterCommand,
 )
-from kvhandoff.machines.push.events import HandshakeFailed, Revoked
+from kvhandoff.machines.kv.events import HandshakeFailed, Revoked
 from kvhandoff.machines.push.match import (
     MATCH,
     BlocksArrived,

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.adapters.push_side import PushSide
+from kvhandoff.machines.kv.effects import DroppedRegistration
 from kvhandoff.machines.push.d_request import D_REQUEST
-from kvhandoff.machines.push.effects import DroppedRegistration
 from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.meta import PushConnectorOutput
 from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 from kvhandoff.machines.push.scheduler import SCHEDULER_KINDS, LocalEngine, Role
-from kvhandoff.machines.push.worker import RANK_KINDS
+from kvhandoff.machines.rank.worker import RANK_KINDS
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.handshake import encode_engine_handshake

@@ -23,10 +23,10 @@ from typing import Any
 
 import msgspec
 
+from kvhandoff.machines.kv.effects import RankRegistration, ReplayPush, RevokeLease
+from kvhandoff.machines.kv.events import Revoked
 from kvhandoff.machines.push import d_registration, match, p_lease
 from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx, Notified
-from kvhandoff.machines.push.effects import RankRegistration, ReplayPush, RevokeLease
-from kvhandoff.machines.push.events import Revoked
 from kvhandoff.machines.push.match import MATCH, MatchCtx, RegArrived
 from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.runtime.bus import EventBus

@@ -183,7 +183,7 @@ def rank_main(role: str, engine_id: str, rank: int, raw: dict[str, Any]) -> None
 
 
 def _rank_kinds() -> tuple[Any, ...]:
-    from kvhandoff.machines.push.worker import RANK_KINDS
+    from kvhandoff.machines.rank.worker import RANK_KINDS
 
     return RANK_KINDS
 

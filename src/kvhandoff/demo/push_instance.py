@@ -19,7 +19,7 @@ from kvhandoff.adapters.push_writer_thread import HandshakeExecutor, PushWriterT
 from kvhandoff.demo.kv_memory import KVMemory, KVShape
 from kvhandoff.machines.push.meta import PushConnectorOutput
 from kvhandoff.machines.push.scheduler import SCHEDULER_KINDS, LocalEngine, Mode, Role
-from kvhandoff.machines.push.worker import RANK_KINDS
+from kvhandoff.machines.rank.worker import RANK_KINDS
 from kvhandoff.protocol.handshake import compatibility_hash
 from kvhandoff.protocol.push_config import PushConfig
 

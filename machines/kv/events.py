@@ -1,4 +1,5 @@
-"""Events of the push-mode and pull-mode lifecycles (`push.*`, `pull.*`).
+"""Events of the push-mode and pull-mode lifecycles (`push.*`, `pull.*`): the base both
+modes share, so that neither imports the other.
 
 Three buses per engine share this vocabulary (R-T01):
 

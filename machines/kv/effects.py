@@ -1,4 +1,5 @@
-"""Effects of the push-mode machines: what they ask the edges to do, as data.
+"""Effects of the push-mode and pull-mode machines (the base both modes share): what they
+ask the edges to do, as data.
 
 - Scheduler effects (`push.d_request`, `push.p_request`) report to the engine: the
   aggregated `finished_recving`, `failed_recving`, `finished_sending`.

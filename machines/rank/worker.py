@@ -1,5 +1,6 @@
-"""Push-mode engine API, worker side, main thread: one per TP/PP rank, shaped like the
-seed's connector worker (R-P02, R-P03, R-P07..R-P09, R-T01, S-02, S-06).
+"""Either mode's engine API, worker side, main thread (push, or pull on the same base): one
+per TP/PP rank, shaped like the seed's connector worker (R-P02, R-P03, R-P07..R-P09, R-T01,
+S-02, S-06).
 
 The rank's main thread owns the rank's request lifecycles (`push.d_registration`,
 `push.p_lease`, in pull mode `pull.d_read`, `pull.p_lease`) on its own bus. It never
@@ -28,10 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
-from kvhandoff.machines.pull.p_lease import PULL_P_LEASE, PullLeaseCtx
-from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx
-from kvhandoff.machines.push.effects import (
+from kvhandoff.machines.kv.effects import (
     CountFailure,
     ForwardToMain,
     ReportEnded,
@@ -43,7 +41,7 @@ from kvhandoff.machines.push.effects import (
     WakeWriter,
     Warn,
 )
-from kvhandoff.machines.push.events import (
+from kvhandoff.machines.kv.events import (
     Completion,
     End,
     Enqueued,
@@ -52,6 +50,9 @@ from kvhandoff.machines.push.events import (
     Staged,
     WriteFailed,
 )
+from kvhandoff.machines.pull.d_read import D_READ, DReadCtx
+from kvhandoff.machines.pull.p_lease import PULL_P_LEASE, PullLeaseCtx
+from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx
 from kvhandoff.machines.push.meta import FAILURE_CAUSES, PushConnectorMeta, PushWorkerOutput
 from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.push.scheduler import Mode, Role

@@ -1,0 +1,1 @@
+"""The vocabulary both KV-transfer modes share: events and effects of push and pull."""
