@@ -25,6 +25,8 @@ from vllm.v1.request import RequestStatus
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.push_rank import PushRank
+from kvhandoff.integrations.vllm import stats
+from kvhandoff.integrations.vllm.metrics import KVHandoffPromMetrics
 from kvhandoff.integrations.vllm.nixl_rank import (
     RankAssembly,
     build_rank,
@@ -163,7 +165,8 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.side_channel: SideChannelServer | None = None  # the scheduler's, once served
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._outputs: list[PushWorkerOutput] = []
-        self._stats_seen: dict[str, int] = {}
+        self._stats_seen: dict[str, Any] = {}
+        self.times = stats.RequestTimes(stats.block_bytes(kv_cache_config))
         # What this connector owes vLLM about each request is a machine on its own bus:
         # `vllm.owed_report` on the scheduler role, `vllm.rank_receive` on a worker role.
         self.owed = EventBus()
@@ -208,6 +211,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         sched.update_state_after_alloc(request.request_id, block_ids, raw, now)
         if block_ids:
             self._owe(request.request_id, "recv", now)
+            self.times.begin(request.request_id, len(block_ids), now)
             # Asked once: a request vLLM reschedules (recompute after a failed load) is
             # computed locally, as vLLM's own connectors do.
             request.kv_transfer_params["do_remote_prefill"] = False
@@ -239,6 +243,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if delay:
             self._owe(request.request_id, "send", now)
+            self.times.begin(request.request_id, len(block_ids), now)
         return delay, params
 
     def request_finished_all_groups(
@@ -285,16 +290,20 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         now = self.clock()
         self._sched().update_connector_output(outputs, now)
         recving = self._once(connector_output.finished_recving, "recv", now)
+        failed = set(connector_output.failed_recving or ()) & recving
+        self.times.end(received=recving - failed, failed=failed, now=now)
         for _inst, effect in self.owed.drain_outbox():
             if isinstance(effect, TellEngine) and self.owed.has_tag(
                 VLLM_OWED_REPORT, effect.request_id, "due"
             ):
                 self.owed.dispatch(VLLM_OWED_REPORT, effect.request_id, Told(), now)
                 recving.add(effect.request_id)
+                self.times.end(forgotten=(effect.request_id,), now=now)
         connector_output.finished_recving = recving
         connector_output.finished_sending = self._once(
             connector_output.finished_sending, "send", now
         )
+        self.times.end(sent=connector_output.finished_sending, now=now)
 
     def _once(self, reported: set[str] | None, direction: Direction, now: float) -> set[str]:
         """The reported ids vLLM still waits for, each now told; the machine refuses the
@@ -320,23 +329,35 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     def get_kv_connector_stats(self) -> KVHandoffConnectorStats | None:
-        """Scheduler: the failures by cause the ranks reported since the last call (B-14),
-        and the stale or late reports kvhandoff and this connector dropped; None when no
-        count moved."""
+        """What moved since the last call (`stats.py`), None when nothing did. Scheduler:
+        the failures by cause the ranks reported (B-14), the stale or late reports
+        kvhandoff and this connector dropped, watchdog expiries, the interval's finished
+        transfers with their bytes and times. Worker: its rank's lease expiries and the
+        notifs it refused, by cause (S-06). vLLM adds the two up for its stat loggers."""
         if self.scheduler is None:
-            return None
-        totals = {**self.scheduler.stats(), "dropped_reports": self.dropped_reports}
-        if totals == self._stats_seen:
-            return None
-        delta = {name: count - self._stats_seen.get(name, 0) for name, count in totals.items()}
-        self._stats_seen = totals
-        return KVHandoffConnectorStats(data=delta)
+            totals = {} if self.rank is None else stats.rank_totals(self.rank)
+            data = stats.delta(totals, self._stats_seen)
+        else:
+            totals = stats.scheduler_totals(self.scheduler, self.dropped_reports, self.side_channel)
+            data = stats.merge(stats.delta(totals, self._stats_seen), self.times.take())
+        return None if stats.is_empty(data) else KVHandoffConnectorStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVHandoffConnectorStats | None:
         return KVHandoffConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVHandoffPromMetrics:
+        """kvhandoff's Prometheus metrics (`metrics.py`), registered once per process."""
+        return KVHandoffPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side --------------------------------------------------------------------------
 
