@@ -26,6 +26,7 @@ from kvhandoff.protocol.legs import (
 from kvhandoff.proxy import (
     Proxy,
     Upstream,
+    encode_body,
     prefill_body,
     pull_decode_body,
     push_decode_body,
@@ -214,3 +215,34 @@ def test_R_P01_cli_parses_the_proxy_command() -> None:
     assert args.prefill_side_channel == ("127.0.0.1", 5600)
     with pytest.raises(ValueError, match="HOST:PORT"):
         Upstream.parse("https://example.com")
+
+
+def test_R_P01_encoder_leg_goes_first_and_its_ec_params_ride_on_the_prefill_leg(
+    fakes: dict[str, Any],
+) -> None:
+    """With an encoder engine the proxy sends it a one-token leg first, then puts the
+    `ec_transfer_params` it answered with on P's leg (not on D's)."""
+    published = {"img-1": {"metadata": {"num_embeds": [4]}, "peer_host": "10.0.0.9"}}
+    fakes["e"] = encoder = Fake(
+        lambda body: json.dumps({"choices": [], "ec_transfer_params": published}).encode()
+    )
+    fakes["p"] = prefill = Fake(lambda body: json.dumps({"choices": []}).encode())
+    fakes["d"] = decode = Fake(lambda body: json.dumps({"choices": [{"text": "d"}]}).encode())
+    proxy = Proxy(
+        Upstream.parse(prefill.url),
+        Upstream.parse(decode.url),
+        coordinates=P,
+        encoder=Upstream.parse(encoder.url),
+    )
+    fakes["proxy"] = server = serve_in_thread(proxy)
+    fakes["routes"] = proxy
+    status, _ = _post(server.server_port, "/v1/chat/completions", CLIENT)
+    assert status == 200
+    [(_, e_id, e_body)] = encoder.requests
+    [(_, p_id, p_body)] = prefill.requests
+    [(_, d_id, d_body)] = decode.requests
+    assert e_id == p_id == d_id
+    assert e_body == encode_body(CLIENT) and e_body["max_tokens"] == 1
+    assert "kv_transfer_params" not in e_body
+    assert p_body == {**prefill_body(CLIENT), "ec_transfer_params": published}
+    assert "ec_transfer_params" not in d_body

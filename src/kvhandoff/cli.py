@@ -259,6 +259,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         Upstream.parse(args.decode),
         mode=args.mode,
         coordinates=coordinates,
+        encoder=Upstream.parse(args.encoder) if args.encoder else None,
     )
     host, port = args.listen
     server = serve(proxy, host, port)
@@ -404,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--prefill", required=True, help="P's OpenAI server, http://HOST:PORT")
     proxy.add_argument("--decode", required=True, help="D's OpenAI server, http://HOST:PORT")
+    proxy.add_argument(
+        "--encoder", help="the encoder cache's producer, http://HOST:PORT (optional, first)"
+    )
     proxy.add_argument("--listen", type=_host_port, default=("127.0.0.1", 8000))
     proxy.add_argument("--mode", choices=["push", "pull"], default="push")
     proxy.add_argument("--prefill-engine-id", help="P's kv_transfer_config engine_id (push)")

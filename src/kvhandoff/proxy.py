@@ -13,8 +13,11 @@ Push mode (the default) sends both legs at once, as routers do: D registers its 
 while P prefills, and P pushes the KV the moment it finishes. P's coordinates (engine id,
 side-channel host and port, TP size) are configured, since D needs them before P answers.
 Pull mode sends the prefill leg first and puts the `kv_transfer_params` P returns on the
-decode leg. The client gets D's answer (streamed through when it asked to stream); a
-prefill leg that fails fails the request with 502.
+decode leg. With an encoder engine (`--encoder`, the encoder cache's producer) the request
+goes there first, as an encode-only leg (`max_tokens=1`), and the `ec_transfer_params` it
+answers with ride on the prefill leg, whose engine then reads the encodings from the
+producer's CPU tier instead of encoding. The client gets D's answer (streamed through when
+it asked to stream); a prefill or encoder leg that fails fails the request with 502.
 
 Standard library only (`http.server`, `http.client`, threads): a reference for what the
 legs carry and in which order they go, not a production router.
@@ -85,6 +88,25 @@ def pull_decode_body(
     return leg
 
 
+def encode_body(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The encoder leg: the client's request, one token, never streamed, no KV params."""
+    leg = {k: v for k, v in request.items() if k not in ("stream_options", "kv_transfer_params")}
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    return leg
+
+
+def with_encodings(leg: Mapping[str, Any], encoder_response: Mapping[str, Any]) -> dict[str, Any]:
+    """A leg with the `ec_transfer_params` the encoder answered with (none: as it was)."""
+    out = dict(leg)
+    params = encoder_response.get("ec_transfer_params")
+    if isinstance(params, Mapping) and params:
+        out["ec_transfer_params"] = dict(params)
+    return out
+
+
 def _post(
     upstream: Upstream, path: str, body: Mapping[str, Any], request_id: str, timeout: float
 ) -> http.client.HTTPResponse:
@@ -116,6 +138,7 @@ class Proxy:
         *,
         mode: Mode = "push",
         coordinates: PrefillCoordinates | None = None,
+        encoder: Upstream | None = None,
         timeout: float = 600.0,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
     ) -> None:
@@ -124,6 +147,7 @@ class Proxy:
         self.prefill = prefill
         self.decode = decode
         self.mode = mode
+        self.encoder = encoder
         self.coordinates = coordinates
         self.timeout = timeout
         self.new_id = new_id
@@ -133,6 +157,10 @@ class Proxy:
         """Send both legs of one client request; return D's open response."""
         request_id = self.new_id()
         p_leg = prefill_body(request)
+        if self.encoder is not None:
+            e_leg = encode_body(request)
+            encoded = _read_json(_post(self.encoder, path, e_leg, request_id, self.timeout))
+            p_leg = with_encodings(p_leg, encoded)
         p_answer: Future[dict[str, Any]] = self._pool.submit(
             lambda: _read_json(_post(self.prefill, path, p_leg, request_id, self.timeout))
         )
