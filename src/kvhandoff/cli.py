@@ -8,6 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvhandoff.proxy import Proxy
 
 TRACE_HELP = "write each process's transition trace into DIR (check it with check-trace)"
 
@@ -237,30 +241,40 @@ def _host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _cmd_proxy(args: argparse.Namespace) -> int:
+def proxy_from_args(args: argparse.Namespace) -> Proxy:
+    """The `kvhandoff proxy` command's routing, from its parsed arguments (ValueError when
+    push mode lacks P's coordinates)."""
     from kvhandoff.protocol.legs import PrefillCoordinates
-    from kvhandoff.proxy import Proxy, Upstream, serve
+    from kvhandoff.proxy import Proxy, Upstream
 
     coordinates = None
     if args.mode == "push":
         if not args.prefill_engine_id or args.prefill_side_channel is None:
-            print(
-                "kvhandoff proxy: push mode needs --prefill-engine-id and"
-                " --prefill-side-channel (D registers before P answers)",
-                file=sys.stderr,
+            raise ValueError(
+                "push mode needs --prefill-engine-id and --prefill-side-channel"
+                " (D registers before P answers)"
             )
-            return 2
         side_host, side_port = args.prefill_side_channel
         coordinates = PrefillCoordinates(
             args.prefill_engine_id, side_host, side_port, args.prefill_tp_size, args.prefill_pp_size
         )
-    proxy = Proxy(
+    return Proxy(
         Upstream.parse(args.prefill),
         Upstream.parse(args.decode),
         mode=args.mode,
         coordinates=coordinates,
         encoder=Upstream.parse(args.encoder) if args.encoder else None,
     )
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from kvhandoff.proxy import serve
+
+    try:
+        proxy = proxy_from_args(args)
+    except ValueError as exc:
+        print(f"kvhandoff proxy: {exc}", file=sys.stderr)
+        return 2
     host, port = args.listen
     server = serve(proxy, host, port)
     print(f"kvhandoff proxy ({args.mode}) on http://{host}:{server.server_port}", flush=True)
