@@ -9,7 +9,12 @@ every command in its `sh` blocks is one this test knows how to check, and checks
 - `kvhandoff proxy ...`: kvhandoff's CLI parses it into a proxy, and in push mode the P
   coordinates it names are those of a P serve line in the same section;
 - `curl ... -d BODY`: BODY is a JSON request the proxy builds both legs from;
-- `pip install ...`: names kvhandoff or vLLM 0.33.0 (the wheel itself: `make wheel-check`).
+- `pip install ...`: vLLM 0.33.0, the wheel `python -m build` makes (this version's file
+  name) or the checkout with `[gpu]` (the wheel itself is tried by `make wheel-check`);
+- `python -m build`: `build` is in the test extra, `make wheel-check` runs it;
+- `make TARGET`: a target of the Makefile.
+
+The README's quick start is held to the same checks.
 
 And the reference tables name every `PushConfig` field, every encoder-cache extra key and
 every metric kvhandoff registers."""
@@ -31,14 +36,14 @@ GUIDE = ROOT / "docs" / "vllm.md"
 KV_KEYS = {"transfer_mode", "side_channel_host", "side_channel_port"}  # beside PushConfig's
 
 
-def sections() -> list[tuple[str, list[list[str]]]]:
+def sections(path: Path = GUIDE) -> list[tuple[str, list[list[str]]]]:
     """(heading, commands) per `## ` section; a command is its argv, continuation lines
     joined, environment assignments in front kept as argv items."""
     out: list[tuple[str, list[list[str]]]] = []
     heading = ""
     in_block = False
     lines: list[str] = []
-    for line in GUIDE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.startswith("## "):
             heading = line[3:]
             out.append((heading, []))
@@ -55,8 +60,8 @@ def sections() -> list[tuple[str, list[list[str]]]]:
     return out
 
 
-def commands() -> list[tuple[str, list[str]]]:
-    return [(heading, argv) for heading, cmds in sections() for argv in cmds]
+def commands(path: Path = GUIDE) -> list[tuple[str, list[str]]]:
+    return [(heading, argv) for heading, cmds in sections(path) for argv in cmds]
 
 
 def _env_and_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -151,13 +156,19 @@ def _check_proxy(argv: list[str], serves: list[dict[str, Any]]) -> None:
         proxy.close()
 
 
-def test_C_05_every_command_in_the_vllm_guide_is_checked() -> None:
+def check_commands(path: Path) -> dict[str, int]:
+    """Check every command of `path`'s `sh` blocks; count them by tool."""
+    import tomllib
+
     from kvhandoff.proxy import prefill_body
 
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    wheel = f"dist/kvhandoff-{version}-py3-none-any.whl"
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
     checked: dict[str, int] = {}
     serves: list[dict[str, Any]] = []  # this section's engines
     section = ""
-    for heading, argv in commands():
+    for heading, argv in commands(path):
         if heading != section:
             section, serves = heading, []
         env, argv = _env_and_argv(argv)
@@ -178,12 +189,29 @@ def test_C_05_every_command_in_the_vllm_guide_is_checked() -> None:
             body = json.loads(argv[argv.index("-d") + 1])
             assert prefill_body(body)["max_tokens"] == 1
         elif tool == "pip install":
-            assert argv[2] in ("kvhandoff", "kvhandoff[gpu]", "vllm==0.33.0"), argv
+            assert argv[2:] in (["vllm==0.33.0"], [wheel], [".[gpu]"]), argv
+        elif argv == ["python", "-m", "build"]:  # run by `make wheel-check`
+            extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+            assert any(r.startswith("build") for r in extras["optional-dependencies"]["test"])
+        elif argv[0] == "make":
+            assert argv[1] in targets, f"no make target {argv[1]}"
         else:
-            pytest.fail(f"docs/vllm.md has a command this test does not check: {argv}")
+            pytest.fail(f"{path.name} has a command this test does not check: {argv}")
         checked[tool] = checked.get(tool, 0) + 1
+    return checked
+
+
+def test_C_05_every_command_in_the_vllm_guide_is_checked() -> None:
+    checked = check_commands(GUIDE)
     # The guide's three set-ups: push (P, D), pull (P, D), encoder cache (E, P, D).
     assert checked["vllm serve"] == 7 and checked["kvhandoff proxy"] == 3, checked
+    assert checked["pip install"] == 3 and checked["curl -s"] == 1, checked
+
+
+def test_C_05_every_command_in_the_readme_quick_start_is_checked() -> None:
+    checked = check_commands(ROOT / "README.md")
+    assert checked["vllm serve"] == 2 and checked["kvhandoff proxy"] == 1, checked
+    assert checked["make demo"] == 1 and checked["make test"] == 1, checked
 
 
 def _table_rows(title: str) -> dict[str, str]:
