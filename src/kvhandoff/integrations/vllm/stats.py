@@ -11,7 +11,7 @@ The keys (every one optional in a payload):
 - each cause of `FAILURE_CAUSES`, `stale_reports`, `dropped_reports`: counts (B-14);
 - `transfers`: requests by outcome, `sent` (P: every rank reported the blocks sent; a
   lease that expired ends this way too), `received`, `failed` (D);
-- `rejected_inputs`: peer inputs refused, by cause (S-06);
+- `rejected_inputs`: peer inputs refused, by cause (S-06; `cause` keeps label values few);
 - `lease_expiries` (P's ranks), `watchdog_expiries` (D's scheduler): counts;
 - `bytes_transferred`: KV bytes of each finished request's blocks in this engine;
 - `finish_to_receive_s`: P, from the prefill's end to every rank's report that the blocks
@@ -25,6 +25,7 @@ The encoder-cache connector's payload (`ec_*` keys) has the same shape.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -118,9 +119,22 @@ def reasons(source: Callable[[], dict[str, int]]) -> dict[str, int]:
     return {}
 
 
+_SPECIFIC = re.compile(r"'[^']*'?|\"[^\"]*\"?|\[[^\]]*\]?|\([^)]*\)?|<[^>]*>?|\b[0-9a-f]{6,}\b|\d+")
+
+
+def cause(reason: str) -> str:
+    """A rejection reason as a metric label: what kind of input was refused, without the
+    request ids, peer names, numbers and quoted values that make each message unique
+    (a Prometheus label's values must stay few)."""
+    text = " ".join(_SPECIFIC.sub(" ", reason).split())
+    return text.rstrip(" :;,.")[:60] or "other"
+
+
 def add_reasons(into: dict[str, int], more: Mapping[str, int]) -> None:
+    """Add rejection counts by reason to `into`, by cause (`cause`)."""
     for reason, count in more.items():
-        into[reason] = into.get(reason, 0) + int(count)
+        label = cause(reason)
+        into[label] = into.get(label, 0) + int(count)
 
 
 class RequestTimes:
@@ -188,7 +202,9 @@ def scheduler_totals(
     totals: StatsData = {**scheduler.stats(), "dropped_reports": dropped_reports}
     totals["watchdog_expiries"] = int(scheduler.bus.metrics.get("push.d.watchdog_expired", 0))
     if side_channel is not None:
-        totals["rejected_inputs"] = reasons(side_channel.rejections.reasons)
+        rejected: dict[str, int] = {}
+        add_reasons(rejected, reasons(side_channel.rejections.reasons))
+        totals["rejected_inputs"] = rejected
     return totals
 
 
@@ -197,7 +213,8 @@ def rank_totals(rank: PushRank) -> StatsData:
     main-thread bus) and refused notifs by cause (its main thread's and its writer's)."""
     metrics = rank.bus.metrics
     expired = metrics.get("push.p.lease_expired", 0) + metrics.get("pull.p.lease_expired", 0)
-    rejected = reasons(rank.worker.rejections.reasons)
+    rejected: dict[str, int] = {}
+    add_reasons(rejected, reasons(rank.worker.rejections.reasons))
     add_reasons(rejected, reasons(rank.writer.rejections.reasons))
     return {"lease_expiries": int(expired), "rejected_inputs": rejected}
 
@@ -207,13 +224,15 @@ def ec_totals(side: ECSide) -> StatsData:
     NACKs, reads, fallbacks), refused control messages by cause, expired grant leases and
     evictions."""
     counters = side.counters()
+    rejected: dict[str, int] = {}
+    add_reasons(rejected, dict(counters.get("rejected_by_reason", {})))
     events = {
         name.removeprefix("ec."): int(count)
         for name, count in dict(counters.get("metrics", {})).items()
     }
     return {
         "ec_events": events,
-        "ec_rejected_inputs": dict(counters.get("rejected_by_reason", {})),
+        "ec_rejected_inputs": rejected,
         "ec_lease_expiries": events.get("producer.lease_expired", 0),
         "ec_evictions": int(counters.get("evictions", 0)),
     }
