@@ -290,7 +290,11 @@ class WorkerProc:
 
 
 def engine_step(
-    sched: Any, workers: list[WorkerProc], aggregator: Any, stats: list[Any] | None = None
+    sched: Any,
+    workers: list[WorkerProc],
+    aggregator: Any,
+    stats: list[Any] | None = None,
+    emitted: list[Any] | None = None,
 ) -> tuple[Any, Any]:
     """One engine step of a real vLLM Scheduler with its workers in other processes:
     schedule, every worker's connector lifecycle (metadata as msgpack bytes), vLLM's own
@@ -298,7 +302,8 @@ def engine_step(
     counts ranks across steps), then the scheduler's update. Returns (scheduler output,
     the aggregated KVConnectorOutput); each step's `SchedulerStats` vLLM made is appended
     to `stats` when given (the workers' connector stats are in them, as vLLM carries
-    them)."""
+    them), and each request's `EngineCoreOutput` (what vLLM's server answers from, its
+    `kv_transfer_params` included) to `emitted`."""
     import msgspec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -347,4 +352,6 @@ def engine_step(
         stats.extend(
             o.scheduler_stats for o in engine_outputs.values() if o.scheduler_stats is not None
         )
+    if emitted is not None:
+        emitted.extend(out for o in engine_outputs.values() for out in o.outputs)
     return out, kv_output
