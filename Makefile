@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 DEPS_STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier wheel-check
+.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier bench-vllm wheel-check
 
 # The vLLM test tier runs in its own environment: vLLM 0.33.0 installed slim (the CPU torch,
 # vllm itself without its dependencies, then its pure-Python dependencies pinned in
@@ -38,6 +38,11 @@ vllm-env: $(VLLM_STAMP)
 # peers for interop), each engine part in its own process.
 vllm-tier: vllm-env
 	$(VLLM_PY) -m pytest -q -rs -o pythonpath=tests_vllm tests_vllm
+
+# The scheduler-side connector cost against vLLM's own push connector, under vLLM's real
+# Scheduler, from a fresh clone: builds the vLLM environment first, prints one JSON line.
+bench-vllm: vllm-env
+	$(VLLM_VENV)/bin/kvhandoff bench vllm --json
 
 # Strict editable installs link each file; re-link so newly added modules are seen.
 install: $(DEPS_STAMP)

@@ -8,3 +8,6 @@ from kvhandoff.machines.runtime.clock import Clock
 
 real_clock: Clock = time.monotonic
 """Monotonic seconds (the C function itself, no wrapper)."""
+
+wall_clock: Clock = time.time
+"""Wall-clock seconds: only where peers compare times (sealed notifs' freshness, S-05)."""

@@ -25,11 +25,12 @@ first applies what the writer left for it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 
-from kvhandoff.adapters.clock import real_clock
+from kvhandoff.adapters.clock import real_clock, wall_clock
 from kvhandoff.adapters.push_rank_writer import (
     HandshakeJob,
     HandshakeResult,
@@ -59,7 +60,7 @@ from kvhandoff.machines.push.writer import PushWriter
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.events import Event
-from kvhandoff.protocol.auth import ClusterKey
+from kvhandoff.protocol.auth import ClusterKey, NonceSource
 from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.handshake import EXT_AUTH, EXT_PUSH_FAIL
 from kvhandoff.protocol.notifs import encode_heartbeat
@@ -95,6 +96,7 @@ class PushRank(RankWriterSide):
         rank: int = 0,
         mode: Mode = "push",
         physical_blocks_per_logical: int = 1,
+        wall: Clock = wall_clock,
     ) -> None:
         self.role = role
         self.mode = mode
@@ -105,6 +107,8 @@ class PushRank(RankWriterSide):
         self.transport = transport
         self.physical_blocks_per_logical = physical_blocks_per_logical
         self.clock = clock
+        self.wall_clock = wall  # sealed notifs' freshness (S-05)
+        self.nonces = NonceSource(os.urandom(8))
         self._submit_handshake = submit_handshake
         self.key = (
             ClusterKey.from_text(self.config.cluster_key) if self.config.cluster_key else None
@@ -116,7 +120,7 @@ class PushRank(RankWriterSide):
         self.bus = self.worker.bus
         self.sending_transfers: dict[str, list[tuple[int, TransferHandle]]] = {}
         # Writer thread.
-        self.writer = PushWriter(role, engine_id, self.config, mode, rank=rank)
+        self.writer = PushWriter(role, engine_id, self.config, mode, rank=rank, started_at=wall())
         self.writer_bus = self.writer.bus
         self.self_poll_interval_s: float | None = None
         self.dropped_observers: list[Callable[[DroppedRegistration], None]] = []

@@ -35,6 +35,7 @@ from kvhandoff.machines.push.effects import (
     IssueWrite,
     RankRegistration,
     ReplayPush,
+    ReplayRegistration,
     ReportToMain,
     SendPushFail,
     SendPushReg,
@@ -54,7 +55,7 @@ from kvhandoff.machines.push.worker import WriterItem
 from kvhandoff.machines.push.writer import PushWriter
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.effects import Effect
-from kvhandoff.protocol.auth import ClusterKey
+from kvhandoff.protocol.auth import ClusterKey, NonceSource
 from kvhandoff.protocol.blocks import check_within_capacity, expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
 from kvhandoff.protocol.handshake import EXT_PUSH_FAIL, decode_engine_handshake
@@ -81,8 +82,10 @@ class RankWriterSide:
     rank: int
     tp_rank: int
     clock: Clock
+    wall_clock: Clock
     config: PushConfig
     key: ClusterKey | None
+    nonces: NonceSource
     transport: PushTransport
     physical_blocks_per_logical: int
     writer: PushWriter
@@ -104,6 +107,7 @@ class RankWriterSide:
         asks after each input; returns how many inputs were handled."""
         writer = self.writer
         now = self.clock()
+        wall = self.wall_clock() if self.key is not None else None
         handled = 0
         while self.peer_lost_inbox:
             writer.on_peer_lost(self.peer_lost_inbox.popleft(), now)
@@ -124,7 +128,7 @@ class RankWriterSide:
             log.warning("get_new_notifs failed: %s", exc)
             notifs = []
         for peer, message in notifs:
-            writer.on_notif(peer, self.transport.identify(peer), message, now)
+            writer.on_notif(peer, self.transport.identify(peer), message, now, wall)
             self._execute(now)
             handled += 1
         writer.advance(now)  # pending registrations, tombstones, handshakes, idle engines
@@ -155,7 +159,7 @@ class RankWriterSide:
         elif isinstance(effect, ReportToMain | ForwardToMain):
             self.pending_completion_notifs.append(effect)
         elif isinstance(effect, SendPushReg):
-            self._send_push_reg(effect.request_id, effect.registration, now)
+            self._send_push_reg(effect, now)
         elif isinstance(effect, IssueRead):
             self._issue_read(effect, now)
         elif isinstance(effect, SendPushFail):
@@ -177,15 +181,22 @@ class RankWriterSide:
     def _seal(self, message: bytes) -> bytes:
         """S-05: with a cluster key every control notif leaves sealed by this agent."""
         key = self.key
-        return message if key is None else key.seal(self.transport.agent_name, message)
+        if key is None:
+            return message
+        agent = self.transport.agent_name
+        return key.seal(agent, message, nonce=self.nonces.next(), sealed_at=self.wall_clock())
 
     def _report(self, request_id: str, event: object) -> None:
         self.pending_completion_notifs.append(ReportToMain(request_id, event))  # type: ignore[arg-type]
 
     # -- D: PUSH_REG (R-P02, R-T04) -----------------------------------------------------
 
-    def _send_push_reg(self, request_id: str, reg: PushRegistration, now: float) -> None:
-        """To every P rank that writes into this one, every stage of a PP producer."""
+    def _send_push_reg(self, effect: SendPushReg, now: float) -> None:
+        """To every P rank that writes into this one, every stage of a PP producer. B-08:
+        when P's agent is gone (P restarted since the handshake: an idle D sent no
+        heartbeat that would have found out), forget it, re-handshake and send once more
+        before the registration fails."""
+        request_id, reg = effect.request_id, effect.registration
         engine = reg.remote_engine_id
         info = self.transport.engine(engine)
         failure = ""
@@ -203,6 +214,12 @@ class RankWriterSide:
                 try:
                     self.transport.send_notif(engine, rank, message)
                 except KvHandoffError as exc:
+                    if peer_gone(exc) and not effect.retried and rank == ranks[0]:
+                        log.info("PUSH_REG %s: %s is gone; re-handshaking", request_id, engine)
+                        self.writer.on_peer_lost(engine, now)
+                        self.writer.retry(ReplayRegistration(request_id, reg, True), now)
+                        self._execute(now)
+                        return
                     failure = f"rank {rank}: {exc}"
                     self._forget_if_gone(engine, exc, now)
                     break

@@ -65,7 +65,10 @@ class PushSide:
         physical_blocks_per_logical: int = 1,
         mode: Mode = "push",
         trace: TraceConfig | None = None,
+        wall: Clock | None = None,
     ) -> None:
+        """`wall`: the wall clock sealed notifs are stamped and checked with (S-05); the
+        system's by default (the simulator passes its virtual clock)."""
         self.role = role
         self.mode = mode
         self.engine = engine
@@ -89,6 +92,7 @@ class PushSide:
                 rank=index,
                 mode=mode,
                 physical_blocks_per_logical=physical_blocks_per_logical,
+                **({} if wall is None else {"wall": wall}),
             )
             for index, transport in enumerate(listed)
         ]

@@ -30,8 +30,6 @@ from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.p_request import P_REQUEST
 from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 from kvhandoff.machines.runtime.declaration import Declaration
-from kvhandoff.machines.vllm.owed_report import VLLM_OWED_REPORT
-from kvhandoff.machines.vllm.rank_receive import VLLM_RANK_RECEIVE
 
 PUSH_DECLARATIONS: tuple[Declaration[Any], ...] = (
     D_REQUEST,
@@ -61,9 +59,4 @@ EC_DECLARATIONS: tuple[Declaration[Any], ...] = (
     EC_WORKER_REGION,
 )
 
-# The vLLM connector's own: what it owes vLLM's scheduler and worker about a request.
-VLLM_DECLARATIONS: tuple[Declaration[Any], ...] = (VLLM_OWED_REPORT, VLLM_RANK_RECEIVE)
-
-DECLARATIONS: tuple[Declaration[Any], ...] = (
-    PUSH_DECLARATIONS + PULL_DECLARATIONS + EC_DECLARATIONS + VLLM_DECLARATIONS
-)
+DECLARATIONS: tuple[Declaration[Any], ...] = PUSH_DECLARATIONS + PULL_DECLARATIONS + EC_DECLARATIONS

@@ -40,6 +40,7 @@ GROUPS: dict[str, list[dict[str, Any]]] = {
 MAIN_PATH_TO: dict[str, str] = {
     "push.p_lease": "sent",
     "push.d_registration": "received",
+    "push.d_request": "received",
     "pull.d_read": "received",
     "ec.consumer_read": "done",
     "ec.producer_grant": "released",

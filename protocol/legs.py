@@ -85,6 +85,29 @@ def _size(params: Mapping[str, Any], name: str, old: str) -> int:
     return int(params.get(name, params.get(old, 1)))
 
 
+COORDINATE_KEYS = (
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "remote_tp_size",
+    "pp_size",
+    "remote_pp_size",
+)
+"""The decode leg's params that make up P's engine coordinates (not the request's id)."""
+
+
+def prefill_request_id(params: Mapping[str, Any]) -> str:
+    """P's own id for the request on a decode leg (`remote_request_id`), checked; empty
+    when the leg names none."""
+    request_id = str(params.get("remote_request_id") or "")
+    if "," in request_id or len(request_id) > 1024:
+        raise RemoteProtocolError(
+            f"decode leg has an invalid remote_request_id {request_id[:80]!r}"
+        )
+    return request_id
+
+
 def prefill_coordinates(params: Mapping[str, Any] | None) -> PrefillCoordinates:
     """P's coordinates from a decode leg's kv_transfer_params (which came over the wire);
     `params` is only read."""

@@ -23,6 +23,7 @@ _COUNTS = frozenset(
         "max_pending_registrations_per_peer",
         "max_pending_registrations",
         "max_pending_block_ids",
+        "max_pending_block_ids_per_peer",
     }
 )
 _TEXT = frozenset({"nixl_backend", "cluster_key"})
@@ -53,7 +54,12 @@ class PushConfig:
     max_pending_registrations_per_peer: int = 1024
     max_pending_registrations: int = 8192
     max_pending_block_ids: int = 1 << 21
-    """Block ids held by every waiting `PUSH_REG` together (S-03)."""
+    """Block ids held by every waiting `PUSH_REG` together (S-03). Agents of no engine this
+    rank is connected to (first contact, or names nobody handshaked) share at most half
+    of this and of `max_pending_registrations`, so a flood of invented agent names never
+    refuses a connected D."""
+    max_pending_block_ids_per_peer: int = 1 << 18
+    """Block ids held by the waiting `PUSH_REG`s of one agent (S-03)."""
     tp_size: int = 1
     pp_size: int = 1
     nixl_backend: str = "UCX"
@@ -62,6 +68,11 @@ class PushConfig:
     engine steps drive UCX progress instead (measured faster on small hosts)."""
     cluster_key: str | None = field(default=None, repr=False)
     """The shared secret that seals control notifs between kvhandoff peers (S-05)."""
+    sealed_notif_ttl: float = 120.0
+    """How long a sealed notif stays fresh after it was sealed (S-05): longer than a WRITE
+    may take, since a completion notif is sealed when its WRITE is posted. Sealing peers'
+    wall clocks must agree within `sealed_notif_skew`."""
+    sealed_notif_skew: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,6 +99,12 @@ class PushConfig:
                 )
         if self.cluster_key is not None and len(self.cluster_key.encode()) < 16:
             raise LocalProtocolError("cluster_key needs at least 16 bytes")
+        if self.sealed_notif_ttl <= self.push_write_timeout:
+            raise LocalProtocolError(
+                f"sealed_notif_ttl ({self.sealed_notif_ttl:g} s) must outlast a WRITE"
+                f" (push_write_timeout {self.push_write_timeout:g} s): its completion notif is"
+                " sealed when the WRITE is posted"
+            )
         if self.engine_ttl <= self.registration_timeout:
             raise LocalProtocolError(
                 f"engine_ttl ({self.engine_ttl:g} s) must outlast the registration watchdog"

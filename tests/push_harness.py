@@ -55,15 +55,20 @@ def registration(
     return PushRegistration(**values)
 
 
-def from_p(notif: Notif, agent: str = P_AGENT, rank: int | None = 0) -> ForwardToMain:
-    """A notif the writer forwards, sent by an agent of P's engine (rank None: unknown)."""
+def from_p(
+    notif: Notif, agent: str = P_AGENT, rank: int | None = 0, at: float | None = None
+) -> ForwardToMain:
+    """A notif the writer forwards, sent by an agent of P's engine (rank None: unknown),
+    taken from NIXL at `at` (None: applied at the main thread's `now`)."""
     engine = P_ENGINE.engine_id if rank is not None else None
-    return ForwardToMain(notif, agent, engine, rank)
+    return ForwardToMain(notif, agent, engine, rank, at)
 
 
-def from_d(notif: Notif, agent: str = D_AGENT, rank: int | None = 0) -> ForwardToMain:
+def from_d(
+    notif: Notif, agent: str = D_AGENT, rank: int | None = 0, at: float | None = None
+) -> ForwardToMain:
     engine = D_ENGINE.engine_id if rank is not None else None
-    return ForwardToMain(notif, agent, engine, rank)
+    return ForwardToMain(notif, agent, engine, rank, at)
 
 
 # -- harnesses -----------------------------------------------------------------------------

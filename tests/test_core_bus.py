@@ -456,3 +456,21 @@ def test_core_timers_of_different_durations_fire_in_deadline_order() -> None:
     assert bus.fire_due(100.0) == 3
     assert fired == ["b", "a", "c"], "deadline order: 1.1, 10.0, 20.3"
     assert bus.next_deadline() is None
+
+
+def test_core_alias_finds_a_live_instance_by_its_second_key_until_it_retires() -> None:
+    """`alias` keeps a second key per live instance (how a peer names it), without a scan:
+    created instances answer, a newer one sharing an alias wins, retired ones never do."""
+    bus = make_bus()
+    new(bus, "cmpl-a-0-aaaa1111", blocks=[1])
+    bus.alias(LEASE, lambda key: str(key).rsplit("-", 1)[0])  # instances already live count
+    assert bus.by_alias(LEASE, "cmpl-a-0").key == "cmpl-a-0-aaaa1111"  # type: ignore[union-attr]
+    newer = new(bus, "cmpl-a-0-bbbb2222", blocks=[1])
+    assert bus.by_alias(LEASE, "cmpl-a-0") is newer
+    bus.dispatch(LEASE, "cmpl-a-0-aaaa1111", StartWrite(), 0.0)  # the older one moves on ...
+    bus.dispatch(LEASE, "cmpl-a-0-aaaa1111", WriteDone(), 0.0)  # ... and retires
+    assert bus.get(LEASE, "cmpl-a-0-aaaa1111") is None
+    assert bus.by_alias(LEASE, "cmpl-a-0") is newer, "retiring the older leaves the newer"
+    bus.dispatch(LEASE, "cmpl-a-0-bbbb2222", StartWrite(), 0.0)
+    bus.dispatch(LEASE, "cmpl-a-0-bbbb2222", WriteDone(), 0.0)
+    assert bus.by_alias(LEASE, "cmpl-a-0") is None

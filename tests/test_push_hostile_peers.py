@@ -37,7 +37,7 @@ from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.p_lease import P_LEASE, PLeaseCtx
 from kvhandoff.machines.push.writer import PushWriter
 from kvhandoff.machines.runtime.bus import EventBus
-from kvhandoff.protocol.auth import AUTH_PREFIX, ClusterKey
+from kvhandoff.protocol.auth import AUTH_PREFIX, ClusterKey, NonceSource, ReplayWindow
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
@@ -139,12 +139,43 @@ def test_S_03_pending_registrations_are_capped_per_peer() -> None:
 def test_S_03_pending_registrations_are_capped_in_total_and_by_block_ids() -> None:
     w = _p_writer(PushConfig(max_pending_registrations=4, max_pending_block_ids=100))
     for i in range(6):
-        w.on_notif(f"agent-{i}", None, _reg(i), 0.0)
+        w.on_notif(f"decode-0-agent{i}", D_IDENTITY, _reg(i), 0.0)
     assert w.pending_count == 4 and w.rejected_notifs == 2
     w = _p_writer(PushConfig(max_pending_block_ids=100))
     for i in range(3):
-        w.on_notif(f"agent-{i}", None, _reg(i, tuple(range(40))), 0.0)
+        w.on_notif(f"decode-0-agent{i}", D_IDENTITY, _reg(i, tuple(range(40))), 0.0)
     assert w.pending_count == 2 and w.pending_blocks == 80 and w.rejected_notifs == 1
+
+
+def test_S_03_one_peers_block_ids_are_capped() -> None:
+    w = _p_writer(PushConfig(max_pending_block_ids_per_peer=100))
+    for i in range(3):
+        w.on_notif(D_AGENT, D_IDENTITY, _reg(i, tuple(range(40))), 0.0)
+    assert w.pending_blocks_by_peer == {D_AGENT: 80} and w.rejected_notifs == 1
+    w.on_notif("decode-0-agent2", D_IDENTITY, _reg(7, tuple(range(40))), 0.0)
+    assert w.pending_blocks == 120 and w.rejected_notifs == 1, "another peer has its own"
+
+
+def test_S_03_a_flood_of_invented_agents_never_refuses_a_connected_d() -> None:
+    """Agent names are free: a flood from names of no connected engine fills only its
+    half of the total budget (count and block ids); a D this rank is connected to still
+    registers, and the flood's share comes back as its registrations expire."""
+    config = PushConfig(max_pending_registrations=8, max_pending_block_ids=400)
+    w = _p_writer(config)
+    for i in range(40):  # 4 ids each, count-bound: 4 fit in the share of 8 // 2
+        w.on_notif(f"invented-{i}", None, _reg(i, (1, 2, 3, 4)), 0.0)
+    assert (w.unknown_count, w.rejected_notifs) == (4, 36)
+    for i in range(4):
+        w.on_notif(D_AGENT, D_IDENTITY, _reg(100 + i, tuple(range(40))), 0.0)
+    assert w.pending_count == 8 and w.rejected_notifs == 36, "the connected D is never refused"
+    w = _p_writer(config)
+    for i in range(10):  # 60 ids each, block-bound: 3 fit in the share of 400 // 2
+        w.on_notif(f"invented-{i}", None, _reg(i, tuple(range(60))), 0.0)
+    assert (w.unknown_count, w.unknown_blocks, w.rejected_notifs) == (3, 180, 7)
+    w.on_notif(D_AGENT, D_IDENTITY, _reg(100, tuple(range(200))), 0.0)
+    assert w.pending_blocks == 380 and w.rejected_notifs == 7
+    w.advance(config.pending_ttl + 1.0)
+    assert (w.unknown_count, w.unknown_blocks, w.pending_blocks) == (0, 0, 0)
 
 
 def test_S_03_the_capacity_comes_back_when_registrations_expire() -> None:
@@ -163,6 +194,13 @@ def test_S_03_the_capacity_comes_back_when_registrations_expire() -> None:
 # -- S-05: the cluster key -------------------------------------------------------------------
 
 
+_NONCES = NonceSource(b"testnonc")
+
+
+def _sealed(key: ClusterKey, sender: str, message: bytes, at: float = 0.0) -> bytes:
+    return key.seal(sender, message, nonce=_NONCES.next(), sealed_at=at)
+
+
 def test_S_05_with_a_key_only_notifs_sealed_by_the_named_agent_are_opened() -> None:
     key = ClusterKey.from_text(KEY_TEXT)
     w = _p_writer(PushConfig(cluster_key=KEY_TEXT))
@@ -170,19 +208,63 @@ def test_S_05_with_a_key_only_notifs_sealed_by_the_named_agent_are_opened() -> N
     w.on_notif(D_AGENT, D_IDENTITY, plain, 0.0)
     assert (w.rejected_notifs, w.pending_count) == (1, 0), "a plain notif is refused"
     rogue = ClusterKey.from_text("a-rogue-key-of-its-own-000")
-    w.on_notif(D_AGENT, D_IDENTITY, rogue.seal(D_AGENT, plain), 0.0)
+    w.on_notif(D_AGENT, D_IDENTITY, _sealed(rogue, D_AGENT, plain), 0.0)
     assert (w.rejected_notifs, w.pending_count) == (2, 0), "another key is refused"
-    w.on_notif("decode-0-spoofer", None, key.seal(D_AGENT, plain), 0.0)
+    w.on_notif("decode-0-spoofer", None, _sealed(key, D_AGENT, plain), 0.0)
     assert (w.rejected_notifs, w.pending_count) == (3, 0), "a seal passed off by another agent"
-    w.on_notif(D_AGENT, D_IDENTITY, key.seal(D_AGENT, plain), 0.0)
+    w.on_notif(D_AGENT, D_IDENTITY, _sealed(key, D_AGENT, plain), 0.0)
     assert (w.rejected_notifs, w.pending_count) == (3, 1), "the peer's own sealed notif"
 
 
 def test_S_05_without_a_key_a_sealed_notif_is_refused() -> None:
     w = _p_writer()
-    sealed = ClusterKey.from_text(KEY_TEXT).seal(D_AGENT, _reg(0))
+    sealed = _sealed(ClusterKey.from_text(KEY_TEXT), D_AGENT, _reg(0))
     w.on_notif(D_AGENT, D_IDENTITY, sealed, 0.0)
     assert (w.rejected_notifs, w.pending_count) == (1, 0)
+
+
+def test_S_05_a_replayed_sealed_push_reg_is_refused_from_anyone_and_when_stale() -> None:
+    """The same sealed bytes a second time, from the true sender or from an agent that
+    claims its name later, change nothing; the registration's own retry (sealed anew)
+    is taken. Bytes older than the window are refused as stale."""
+    key, config = ClusterKey.from_text(KEY_TEXT), PushConfig(cluster_key=KEY_TEXT)
+    w = _p_writer(config)
+    captured = _sealed(key, D_AGENT, _reg(0), at=10.0)
+    w.on_notif(D_AGENT, D_IDENTITY, captured, 10.0)
+    assert (w.rejected_notifs, w.pending_count) == (0, 1)
+    w.advance(config.pending_ttl + 11.0)  # the registration expired: its base id is free
+    assert w.pending_count == 0
+    w.on_notif(D_AGENT, D_IDENTITY, captured, 20.0)
+    assert (w.rejected_notifs, w.pending_count) == (1, 0), "a replay within the window"
+    late = 10.0 + config.sealed_notif_ttl + config.sealed_notif_skew + 1.0
+    w.on_notif(D_AGENT, None, captured, late)
+    assert (w.rejected_notifs, w.pending_count) == (2, 0), "a replay after the window: stale"
+    w.on_notif(D_AGENT, D_IDENTITY, _sealed(key, D_AGENT, _reg(0), at=late), late)
+    assert (w.rejected_notifs, w.pending_count) == (2, 1), "sealed anew: a real retry"
+
+
+def test_S_05_bytes_sealed_before_a_restart_are_refused_by_the_new_process() -> None:
+    """A P that restarts (same engine id, same agent name) remembers no nonce, but what
+    was sealed before it started is refused, even while it would still be fresh."""
+    key, config = ClusterKey.from_text(KEY_TEXT), PushConfig(cluster_key=KEY_TEXT)
+    captured = _sealed(key, D_AGENT, _reg(0), at=100.0)
+    restarted = PushWriter("prefill", P_ENGINE.engine_id, config, started_at=150.0)
+    restarted.on_notif(D_AGENT, D_IDENTITY, captured, 160.0)
+    assert (restarted.rejected_notifs, restarted.pending_count) == (1, 0)
+    restarted.on_notif(D_AGENT, D_IDENTITY, _sealed(key, D_AGENT, _reg(0), at=155.0), 160.0)
+    assert (restarted.rejected_notifs, restarted.pending_count) == (1, 1)
+
+
+def test_S_03_S_05_the_replay_window_holds_a_bounded_number_of_nonces() -> None:
+    window = ReplayWindow(0.0, ttl=10.0, skew=1.0, capacity=4)
+    key = ClusterKey.from_text(KEY_TEXT)
+    for i in range(10):
+        window.admit(key.open(D_AGENT, _sealed(key, D_AGENT, b"m", at=float(i))), float(i))
+    assert (len(window), window.evicted) == (4, 6)
+    window.admit(key.open(D_AGENT, _sealed(key, D_AGENT, b"m", at=30.0)), 30.0)
+    assert len(window) == 1, "stale nonces are forgotten"
+    with pytest.raises(RemoteProtocolError, match="future"):
+        window.admit(key.open(D_AGENT, _sealed(key, D_AGENT, b"m", at=40.0)), 30.0)
 
 
 # -- S-01: structure-aware fuzzing of the decoders ----------------------------------------
@@ -259,14 +341,14 @@ def test_S_01_S_05_sealed_notifs_with_any_byte_changed_never_open_as_something_e
     message: bytes, sender: str, flip: int, xor: int
 ) -> None:
     key = ClusterKey.from_text(KEY_TEXT)
-    sealed = bytearray(key.seal(sender, message))
+    sealed = bytearray(_sealed(key, sender, message))
     sealed[flip % len(sealed)] ^= xor
     try:
         opened = key.open(sender, bytes(sealed))
     except RemoteProtocolError as exc:
         assert exc.peer == sender
     else:
-        assert opened == message, "a changed frame opened as another message"
+        assert opened.message == message, "a changed frame opened as another message"
 
 
 @settings(deadline=None, max_examples=200)
@@ -321,6 +403,8 @@ def test_S_01_S_06_the_writer_takes_any_notif_without_raising(
         assert w.rejected_notifs >= before
         assert held <= len(notifs)
     assert w.pending_count == sum(w.pending_by_peer.values())
+    assert w.pending_blocks == sum(w.pending_blocks_by_peer.values())
+    assert 0 <= w.unknown_count <= w.pending_count and 0 <= w.unknown_blocks <= w.pending_blocks
 
 
 # -- S-02: heartbeats before P's handshake with D identified D's agents ----------------------

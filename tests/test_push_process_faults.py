@@ -167,3 +167,37 @@ def _register(d: LivePushInstance, port: int, requests: Any) -> dict[str, list[i
         d.memory.clear(blocks[rid])
         d.side.update_state_after_alloc(rid, blocks[rid], leg["kv_transfer_params"])
     return blocks
+
+
+def test_B_08_a_push_reg_to_a_restarted_prefill_rehandshakes_instead_of_failing() -> None:
+    """D is idle when P restarts under the same engine id (no heartbeat is in flight to
+    find out): D's first PUSH_REG to the new process finds the old agent gone, forgets
+    it, re-handshakes with the new P and registers again; the request is received, not
+    failed (issue 27: it used to fail)."""
+    config = PushConfig(heartbeat_interval=3600.0)  # an idle D notices nothing by itself
+    with LivePushInstance("decode", "decode-0", shape=SHAPE, config=config) as d:
+        received: dict[str, bool] = {}
+
+        def receive(blocks: dict[str, list[int]], count: int) -> Any:
+            def done() -> bool:
+                out = d.step()
+                assert not out.failed_recving, out.failed_recving
+                for rid in out.finished_recving:
+                    received[rid] = d.memory.verify(rid.rsplit("-", 1)[0], blocks[rid])
+                return len(received) == count
+
+            return done
+
+        first = child("prefill", "--seed", "21", "--requests", "1")
+        blocks = _register(d, _port_of(first), demo_requests(1, 21))
+        poll_until(receive(blocks, 1), 30, "the first push")
+        assert child_summary(first)["finished_sending"] == 1  # that P process has exited
+        engine = d.side.ranks[0].writer_bus.get(REMOTE_ENGINE, "prefill-0")
+        assert engine is not None and engine.has("peer_ready"), "D still trusts the old agent"
+
+        reborn = child("prefill", "--seed", "22", "--requests", "1")
+        blocks |= _register(d, _port_of(reborn), demo_requests(1, 22))
+        poll_until(receive(blocks, 2), 30, "the push from the restarted prefill")
+        assert all(received.values()), received
+        assert child_summary(reborn)["finished_sending"] == 1
+        assert d.side.scheduler.stats()["post"] == 0, "no PUSH_REG failed to send"

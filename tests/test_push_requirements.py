@@ -333,10 +333,10 @@ def test_R_P08_writer_routes_push_reg_to_matching_and_forwards_the_rest() -> Non
     p.on_notif(D_AGENT, identity, encode_heartbeat(["cmpl-8-0-dddddddd"]), 0.0)
     assert p.bus.has_tag(MATCH, "cmpl-8-0", "pending_registration")
     effects = [e for e in p.take_effects() if isinstance(e, ForwardToMain)]
-    assert effects == [from_d(HeartbeatNotif(("cmpl-8-0-dddddddd",)))]
+    assert effects == [from_d(HeartbeatNotif(("cmpl-8-0-dddddddd",)), at=0.0)]
     d = writer("decode")
     d.on_notif("p-agent", (P_ENGINE.engine_id, 0), encode_completion_notif("cmpl-8-0-d", 1), 0.0)
-    assert d.take_effects() == [from_p(CompletionNotif("cmpl-8-0-d", 1), "p-agent")]
+    assert d.take_effects() == [from_p(CompletionNotif("cmpl-8-0-d", 1), "p-agent", at=0.0)]
 
 
 def _bound_lease(p: Halves, rid: str) -> None:
@@ -357,6 +357,26 @@ def test_R_P08_heartbeat_extends_the_lease_to_max_of_old_and_now_plus_extension(
     p.clock.advance(10.0)
     p.finish([beat])
     assert p.bus.deadline_of(P_LEASE, rid) == 35.0  # 15 + 20
+
+
+def test_R_P08_R_P11_a_heartbeat_taken_before_the_deadline_extends_a_lease_reaped_later() -> None:
+    """The seed applies notifs, then reaps: a heartbeat the writer took from NIXL before
+    the lease's deadline extends it, even when the main thread's step that applies it
+    runs after the deadline (a slow engine step); one taken after it does not."""
+    p = Halves("prefill")
+    rid, late = "cmpl-8-3-0a0a0a0a", "cmpl-8-4-0a0a0a0a"
+    _bound_lease(p, rid)
+    _bound_lease(p, late)
+    assert p.bus.deadline_of(P_LEASE, rid) == 30.0
+    p.clock.advance(31.0)  # the step runs after the deadline ...
+    beats = [
+        from_d(HeartbeatNotif(("cmpl-8-3-dddddddd",)), at=29.5),  # ... taken before it
+        from_d(HeartbeatNotif(("cmpl-8-4-dddddddd",)), at=30.5),  # ... taken after it
+    ]
+    p.finish(beats)
+    assert p.bus.has_tag(P_LEASE, rid, "heartbeat_extends"), "extended at 29.5"
+    assert p.bus.deadline_of(P_LEASE, rid) == 49.5  # 29.5 + 20
+    assert p.state(P_LEASE, late) == "revoking", "its lease ran out at 30, before the beat"
 
 
 def test_R_P08_R_P12_heartbeats_no_longer_extend_a_lease_whose_handshake_failed() -> None:
@@ -408,3 +428,56 @@ def test_R_P09_sending_done_frees_the_lease_and_the_writer_forgets_the_request()
     assert not rank.writer.self_polling and not rank.writer_inbox
     assert rank.bus.live(P_LEASE) == 0 and not w.prefill.side.scheduler.has_pending_push_work()
     finish(w)
+
+
+# -- R-P10: the watchdog, the engine's abort path, and the once-only report ----------------
+
+
+def _registered(d: Halves, rid: str) -> None:
+    d.sched.update_state_after_alloc(
+        rid, [1, 2], decode_leg({}, P_COORDS)["kv_transfer_params"], d.now
+    )
+    d.step(report(rid, RegSent()))
+
+
+def test_R_P10_a_dropped_registration_waits_for_the_abort_path_then_is_released_once() -> None:
+    """The watchdog drops the registration on every rank and never re-sends it; the
+    request then waits, with nothing in flight, until the engine's abort path ends it,
+    and is reported once: released, with why (vLLM frees its blocks then)."""
+    d = Halves("decode")
+    rid = "cmpl-10-0-dddddddd"
+    _registered(d, rid)
+    d.clock.advance(CONFIG.registration_timeout + 1.0)
+    d.step()  # the watchdog fires; this step's metadata tells the rank to drop it
+    output = d.step()  # the rank dropped it
+    assert d.sched.bus.has_tag(D_REQUEST, rid, "given_up")
+    assert not d.sched.has_pending_push_work(), "nothing is in flight for it"
+    assert not (output.finished_recving or output.failed_recving or output.released)
+    assert d.step().released == {}, "not reported before the engine ends it"
+    d.sched.abort(rid, d.now)
+    assert d.step().released == {rid: "push registration watchdog expired"}
+    assert d.sched.bus.get(D_REQUEST, rid) is None
+    d.sched.abort(rid, d.now)  # a second abort: nothing left to end, nothing reported
+    assert d.step().released == {}
+
+
+def test_R_P10_an_abort_while_the_ranks_hold_it_is_released_once_every_rank_dropped_it() -> None:
+    d = Halves("decode")
+    rid, expiring = "cmpl-10-1-dddddddd", "cmpl-10-2-dddddddd"
+    _registered(d, rid)
+    d.sched.abort(rid, d.now)
+    assert d.sched.bus.has_tag(D_REQUEST, rid, "ending")
+    # The metadata tells the rank; it drops it and reports it ended; then it is released.
+    assert d.step().released == {rid: "aborted"}
+    assert d.sched.bus.get(D_REQUEST, rid) is None
+    # Ended by the engine while the ranks drop it for the watchdog: released once they did.
+    d.clock.advance(1.0)
+    _registered(d, expiring)
+    d.clock.advance(CONFIG.registration_timeout + 1.0)
+    meta = d.sched.build_connector_meta(d.now)  # the watchdog fires: expiring
+    d.sched.abort(expiring, d.now)
+    assert d.sched.bus.has_tag(D_REQUEST, expiring, "ending")
+    d.worker.start_load_kv(meta, d.now)
+    ended = d.sched.update_connector_output([d.worker.get_finished(d.now)], d.now)
+    assert ended.released == {expiring: "push registration watchdog expired"}
+    assert d.step().released == {}

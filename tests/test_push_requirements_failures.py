@@ -76,7 +76,11 @@ def test_R_P10_watchdog_drops_a_registration_and_never_resends_it(
     assert w.decode.side.scheduler.bus.get(D_REQUEST, d_id) is None
     assert w.decode.side.ranks[0].bus.get(D_REGISTRATION, d_id) is None
     assert any("watchdog expired" in r.getMessage() for r in caplog.records)
-    assert w.ledger.clients[client].d == "expired"  # the engine's abort path took it
+    # The request waited for the engine's abort path, which the simulated engine takes
+    # at once; the next step reports it released, never received.
+    assert w.ledger.clients[client].d == "registered"
+    w.step("decode")
+    assert w.ledger.clients[client].d == "expired"
     w.run_for(120.0)
     assert len(spy.sent(PUSH_REG_PREFIX)) == 1  # never re-sent
     w.decode.side.abort(d_id)  # nothing left to abort

@@ -1,7 +1,8 @@
 """What kvhandoff's vLLM connectors count and time (`integrations/vllm/stats.py`, B-14, S-06),
 without vLLM: the payload adds up as vLLM aggregates it, intervals are deltas of running
-totals, transfers are timed from their start to every rank's report, and a real worker
-rank's lease expiries and refused notifs reach its totals, by cause with few label values."""
+totals, transfers are timed by the scheduler's machines from their start to every rank's
+report, and a real worker rank's lease expiries and refused notifs reach its totals, by
+cause with few label values."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from kvhandoff.bench.probes.push_writer_pass import (
     MemoryTransport,
 )
 from kvhandoff.integrations.vllm import stats
-from kvhandoff.machines.push.scheduler import LocalEngine
+from kvhandoff.machines.push.meta import PushWorkerOutput, Timing
+from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
 from kvhandoff.machines.runtime.clock import VirtualClock
 from kvhandoff.protocol.push_config import PushConfig
 
@@ -49,22 +51,52 @@ def test_B_14_intervals_are_deltas_of_running_totals() -> None:
     assert stats.is_empty(stats.delta({"timeout": 2, "rejected_inputs": {"bad": 3}}, seen))
 
 
-def test_B_14_transfers_are_timed_from_start_to_every_ranks_report() -> None:
-    times = stats.RequestTimes(block_bytes=1024)
-    times.begin("p-1", 3, now=10.0)
-    times.begin("d-1", 2, now=11.0)
-    times.begin("d-2", 1, now=11.0)
-    times.begin("d-3", 1, now=11.0)
-    times.end(sent=["p-1", "never-begun"], received=["d-1"], failed=["d-2"], now=12.5)
-    times.end(forgotten=["d-3"], now=13.0)
-    assert len(times) == 0
-    assert times.take() == {
-        "transfers": {"sent": 1, "received": 1, "failed": 1},
+def test_B_14_transfers_are_timed_by_the_schedulers_machines() -> None:
+    """The one copy of request state times it (issue 26): each `PushScheduler` request
+    machine keeps the `now` it was created at, the step every rank reported it done says
+    how long it took (`PushConnectorOutput.timings`), and `stats.transfers` turns a step's
+    output into observations: outcomes, bytes, seconds. A failed or released receive is
+    counted, not timed; one the engine ended for its failed load (vLLM's order: it reads
+    the load errors first) is failed."""
+    p = PushScheduler("prefill", LocalEngine(P_ENGINE, "127.0.0.1", 5600), now=0.0)
+    _delay, leg = p.request_finished("p-1", [4, 5, 6], {"do_remote_decode": True}, 10.0)
+    assert leg is not None
+    p.build_connector_meta(10.5)
+    sent = p.update_connector_output(
+        [PushWorkerOutput(rank=0, step=1, finished_sending=("p-1",))], 12.5
+    )
+    assert sent.timings == {"p-1": Timing(2.5, 3)}
+    assert stats.transfers(sent, block_bytes=1024) == {
+        "transfers": {"sent": 1},
         "finish_to_receive_s": [2.5],
-        "receive_wait_s": [1.5],
-        "bytes_transferred": [3 * 1024, 2 * 1024],
+        "bytes_transferred": [3 * 1024],
     }
-    assert times.take() == {}
+
+    d = PushScheduler("decode", LocalEngine(D_ENGINE, "127.0.0.1", 5700), now=0.0)
+    d_leg = {**leg, "do_remote_prefill": True, "do_remote_decode": False}
+    for request_id, blocks in (("d-1", [1, 2]), ("d-2", [3]), ("d-3", [7]), ("d-4", [8])):
+        d.update_state_after_alloc(request_id, blocks, d_leg, 11.0)
+    d.build_connector_meta(11.0)
+    d.abort("d-3", 12.0)
+    d.abort("d-4", 12.0)
+    d.build_connector_meta(12.0)  # tells the rank to drop both
+    output = PushWorkerOutput(
+        rank=0,
+        step=2,
+        finished_recving=("d-1",),
+        failed_recving={"d-2": "transfer_error", "d-4": "transfer_error"},
+        ended=("d-3",),
+    )
+    got = d.update_connector_output([output], 12.5)
+    assert got.finished_recving == {"d-1"} and set(got.released) == {"d-3", "d-4"}
+    assert got.failed_released == {"d-4"}
+    assert got.timings == {"d-1": Timing(1.5, 2)}
+    assert stats.transfers(got, block_bytes=1024) == {
+        "transfers": {"received": 1, "failed": 2, "released": 1},
+        "receive_wait_s": [1.5],
+        "bytes_transferred": [2 * 1024],
+    }
+    assert stats.transfers(d.update_connector_output([], 13.0), block_bytes=1024) == {}
 
 
 def test_S_06_rejection_causes_drop_ids_names_and_numbers() -> None:

@@ -275,9 +275,8 @@ def test_R_P10_abort_on_d_while_waiting_ends_the_request_and_frees_every_block(
     """vLLM aborts a D request in WAITING_FOR_REMOTE_KVS: the connector aborts it in
     kvhandoff, the next metadata tells the ranks to drop it, and once every rank dropped it
     the scheduler half passes it to vLLM as a finished receive (vLLM held the blocks until
-    then): every block is free; a
-    late report for the request afterwards is dropped by the connector, not asserted on by
-    vLLM (R-T02)."""
+    then): every block is free; a late report for the request afterwards is stale in
+    kvhandoff's scheduler and never reaches vLLM, which would assert on it (R-T02)."""
     from vllm.v1.request import RequestStatus
 
     from kvhandoff.machines.push.meta import PushWorkerOutput
@@ -318,7 +317,7 @@ def test_R_P10_abort_on_d_while_waiting_ends_the_request_and_frees_every_block(
     late_output = _worker_step(worker, rank, third, late)
     assert late_output.finished_recving == {"cmpl-d-abort"}
     sched.update_from_output(third, _one_token(third, [], late_output))  # vLLM does not assert
-    assert sched.connector.dropped_reports == 1
+    assert sched.connector.scheduler.stale_reports == 1
     assert pool.get_num_free_blocks() == free_before
     assert not sched.requests
 
@@ -328,8 +327,10 @@ def test_R_P12_failed_receive_ends_the_request_with_finished_error_and_frees_eve
 ) -> None:
     """A rank reports a failed receive: the worker-role connector reports the request as
     finished and failed, with its blocks as load errors, in the same step; under vLLM's
-    default `kv_load_failure_policy="fail"` the Scheduler ends it FINISHED_ERROR and frees
-    every block. kvhandoff's machines end it too once the rank drops it."""
+    default `kv_load_failure_policy="fail"` the Scheduler ends it FINISHED_ERROR (before it
+    hands the connector the ranks' outputs, so kvhandoff takes its abort path) and, the
+    rank having let go of it, the scheduler half releases it in that same step: every
+    block is free, and nothing is left for the ranks to drop."""
     from vllm.v1.request import RequestStatus
 
     from kvhandoff.machines.push.meta import PushWorkerOutput
@@ -347,6 +348,7 @@ def test_R_P12_failed_receive_ends_the_request_with_finished_error_and_frees_eve
         rank=0,
         step=first.kv_connector_metadata.push.step,
         failed_recving={"cmpl-d-fail": "transfer_error"},
+        invalid_block_ids=tuple(sorted(blocks)),  # what a rank reports with a failure
     )
     kv_output = _worker_step(worker, rank, first, failed)
     assert kv_output.finished_recving == {"cmpl-d-fail"}
@@ -360,18 +362,14 @@ def test_R_P12_failed_receive_ends_the_request_with_finished_error_and_frees_eve
     assert "cmpl-d-fail" not in sched.requests
     assert pool.get_num_free_blocks() == free_before
 
-    # kvhandoff aborted it when vLLM ended it: the ranks drop it, their drop is not
-    # reported to vLLM a second time.
-    second = sched.schedule()
-    assert second.kv_connector_metadata.push.ended == ("cmpl-d-fail",)
-    dropped = PushWorkerOutput(
-        rank=0, step=second.kv_connector_metadata.push.step, ended=("cmpl-d-fail",)
-    )
-    sched.update_from_output(
-        second, _one_token(second, [], _worker_step(worker, rank, second, dropped))
-    )
     assert not sched.connector.has_pending_push_work()
-    assert sched.connector.dropped_reports == 0  # vLLM never hears of the drop
+    second = sched.schedule()
+    assert second.kv_connector_metadata.push.ended == ()
+    idle = PushWorkerOutput(rank=0, step=second.kv_connector_metadata.push.step)
+    sched.update_from_output(
+        second, _one_token(second, [], _worker_step(worker, rank, second, idle))
+    )
+    assert sched.connector.scheduler.stale_reports == 0
     assert pool.get_num_free_blocks() == free_before
 
 
@@ -418,7 +416,7 @@ def test_R_P12_failed_receive_is_recomputed_under_the_recompute_policy(
 def test_B_14_failure_counts_by_cause_reach_vllm_scheduler_stats(tiny_model_dir: Path) -> None:
     """The ranks' failures by cause, summed by kvhandoff's scheduler, come back through
     `get_kv_connector_stats` into vLLM's SchedulerStats, once per interval; a late report
-    the connector dropped is counted too."""
+    kvhandoff's scheduler finds stale is counted too."""
     from kvhandoff.machines.push.meta import FAILURE_CAUSES, PushWorkerOutput
 
     sched = _scheduler(tiny_model_dir, "kv_consumer")
@@ -436,7 +434,7 @@ def test_B_14_failure_counts_by_cause_reach_vllm_scheduler_stats(tiny_model_dir:
     stats = next(iter(outputs.values())).scheduler_stats.kv_connector_stats
     assert set(FAILURE_CAUSES) <= set(stats)
     assert stats["transfer_error"] == 1 and stats["handshake"] == 2
-    assert stats["timeout"] == 0 and stats["peer_gone"] == 0 and stats["dropped_reports"] == 0
+    assert stats["timeout"] == 0 and stats["peer_gone"] == 0 and stats["stale_reports"] == 0
 
     second = sched.schedule()
     late = PushWorkerOutput(
@@ -449,7 +447,7 @@ def test_B_14_failure_counts_by_cause_reach_vllm_scheduler_stats(tiny_model_dir:
     outputs = sched.update_from_output(second, _one_token(second, [], kv_output))
     stats = next(iter(outputs.values())).scheduler_stats.kv_connector_stats
     assert stats["transfer_error"] == 0 and stats["handshake"] == 0  # this interval only
-    assert stats["timeout"] == 1 and stats["dropped_reports"] == 1
+    assert stats["timeout"] == 1 and stats["stale_reports"] == 1
 
 
 def test_R_P10_watchdog_ended_request_waits_for_vllm_abort_then_frees_every_block(
@@ -496,3 +494,69 @@ def test_R_P10_watchdog_ended_request_waits_for_vllm_abort_then_frees_every_bloc
     sched.update_from_output(third, _one_token(third, [], kv_output))
     assert not sched.requests
     assert pool.get_num_free_blocks() == free_before
+
+
+def _holds(value: Any, needle: str, depth: int = 0) -> bool:
+    """Whether `value` holds the string `needle` (in containers and msgspec Structs, a
+    few levels down); any event bus counts as request state."""
+    import msgspec
+
+    from kvhandoff.machines.runtime.bus import EventBus
+
+    if depth > 4:
+        return False
+    if isinstance(value, EventBus):
+        return True
+    if isinstance(value, str):
+        return value == needle
+    if isinstance(value, dict):
+        return any(
+            _holds(k, needle, depth + 1) or _holds(v, needle, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(_holds(item, needle, depth + 1) for item in value)
+    if isinstance(value, msgspec.Struct):
+        return any(_holds(getattr(value, f), needle, depth + 1) for f in value.__struct_fields__)
+    return False
+
+
+_HALVES = {"scheduler", "rank", "assembly"}  # kvhandoff's own halves, the one copy
+
+
+def _second_copies(connector: Any, request_id: str) -> list[str]:
+    return [
+        name
+        for name, value in vars(connector).items()
+        if name not in _HALVES and _holds(value, request_id)
+    ]
+
+
+def test_R_T01_C_05_the_connector_keeps_no_second_copy_of_request_state(
+    tiny_model_dir: Path,
+) -> None:
+    """Issue 26: the connector is the scheduler half. While a D request waits, while a P
+    request's blocks are leased, and after a worker step, no attribute of either role's
+    connector outside kvhandoff's `PushScheduler` / `PushRank` names the request (nor
+    holds an event bus of its own)."""
+    from kvhandoff.machines.push.meta import PushWorkerOutput
+
+    decode = _scheduler(tiny_model_dir, "kv_consumer")
+    worker, rank = _worker(tiny_model_dir)
+    decode.add_request(_request("cmpl-d-one", 2 * vllm_harness.BLOCK_SIZE, _decode_leg()))
+    first = decode.schedule()
+    assert "cmpl-d-one" in first.kv_connector_metadata.push.push_registrations
+    kv_output = _worker_step(
+        worker, rank, first, PushWorkerOutput(rank=0, step=first.kv_connector_metadata.push.step)
+    )
+    decode.update_from_output(first, _one_token(first, [], kv_output))
+    assert decode.connector.has_pending_push_work()
+    assert _second_copies(decode.connector, "cmpl-d-one") == []
+    assert _second_copies(worker, "cmpl-d-one") == []
+
+    prefill = _scheduler(tiny_model_dir, "kv_producer")
+    params = {"do_remote_decode": True, "do_remote_prefill": False}
+    prefill.add_request(_request("cmpl-p-one", 2 * vllm_harness.BLOCK_SIZE, params, max_tokens=1))
+    out = prefill.schedule()
+    prefill.update_from_output(out, _one_token(out, ["cmpl-p-one"]))
+    assert prefill.connector.has_pending_push_work()
+    assert _second_copies(prefill.connector, "cmpl-p-one") == []

@@ -230,7 +230,7 @@ def test_R_P10_abort_on_d_mid_transfer_frees_every_block_on_both_sides(
     assert d_requests["cmpl-abort-0"].status == RequestStatus.FINISHED_ABORTED
     assert d_requests["cmpl-keep-0"].status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert not run.failed
-    assert decode.sched.connector.dropped_reports == 0
+    assert decode.sched.connector.scheduler.stale_reports == 0
     _all_free(prefill, decode)
 
 

@@ -106,7 +106,7 @@ def test_B_14_failures_rejections_and_expiries_by_cause_reach_the_registry(
     worker connector's own stats for the interval (a refused notif, as a rank returns
     them) ride in the same KVConnectorOutput. vLLM adds them to the scheduler's, and the
     registry shows the failed transfer, each cause, the refused input by cause and the
-    late report the connector kept from vLLM."""
+    late report kvhandoff's scheduler ignored (stale: vLLM never sees it)."""
     from test_vllm_connector import _scheduler, _worker
 
     from kvhandoff.integrations.vllm import KVHandoffConnectorStats
@@ -139,12 +139,14 @@ def test_B_14_failures_rejections_and_expiries_by_cause_reach_the_registry(
     got = Recorded(sched, stats)
     assert got.value("vllm:kvhandoff_transfers_total", outcome="failed") == 1
     assert got.value("vllm:kvhandoff_transfers_total", outcome="received") == 0
+    assert got.value("vllm:kvhandoff_transfers_total", outcome="released") == 0  # vLLM ended
+    # it for its failed load (kv_load_failure_policy="fail"): a failed transfer, not a release
     assert got.value("vllm:kvhandoff_failures_total", cause="transfer_error") == 1
     assert got.value("vllm:kvhandoff_failures_total", cause="handshake") == 2
     assert got.value("vllm:kvhandoff_failures_total", cause="timeout") == 0
     cause = "notif from an unknown agent"
     assert got.value("vllm:kvhandoff_rejected_inputs_total", cause=cause) == 2
-    assert got.value("vllm:kvhandoff_dropped_reports_total", kind="late") == 1
+    assert got.value("vllm:kvhandoff_dropped_reports_total", kind="stale") == 1
     assert got.value("vllm:kvhandoff_receive_wait_seconds_count") == 0  # it never arrived
 
 

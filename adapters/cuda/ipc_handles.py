@@ -74,4 +74,6 @@ class IpcStats:
     opened_peers: int = 0
     refused_peers: dict[str, str] = field(default_factory=dict)
     kernel: str = ""
+    routes: dict[str, str] = field(default_factory=dict)
+    """Each opened D rank's route (`ipc_route.Route`)."""
     """The gather-scatter kernel of the last opened peer ("cuda_core" or "triton")."""

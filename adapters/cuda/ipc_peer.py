@@ -19,6 +19,13 @@ import torch
 
 from kvhandoff.adapters.cuda import ipc_runtime
 from kvhandoff.adapters.cuda.ipc_export import IPC_EXPORT_VERSION, IpcExport
+from kvhandoff.adapters.cuda.ipc_route import (
+    CrossDevice,
+    Route,
+    RouteChoice,
+    choose_route,
+    coalesce,
+)
 from kvhandoff.adapters.cuda.ipc_runtime import IpcError
 from kvhandoff.protocol.member_routing import MemberSlot
 
@@ -71,20 +78,29 @@ class OpenedPeer:
         local: Sequence[MemberSlot],
         device: int,
         kernel: KernelChoice = "auto",
+        cross_device: CrossDevice = "auto",
     ) -> None:
         if export.version != IPC_EXPORT_VERSION:
             raise IpcError(f"IPC export version {export.version} is not spoken here")
         if export.host != ipc_runtime.host_identity():
             raise IpcError(f"D runs on another host ({export.host})")
         ipc_runtime.set_device(device)
-        peer_device = ipc_runtime.device_by_pci_bus_id(export.pci_bus_id)
-        if not ipc_runtime.can_access_peer(device, peer_device):
-            raise IpcError(f"GPU {device} has no peer access to D's GPU {export.pci_bus_id}")
         remote = {region.name: region for region in export.regions}
         words = {slot.block_len for slot in local}
         if len(words) != 1 or min(words) % ALIGN:
             raise IpcError(f"regions of unequal or unaligned block sizes: {sorted(words)}")
         self.block_len = words.pop()
+        peer_device = ipc_runtime.visible_device(export.pci_bus_id)
+        reachable = peer_device is not None and ipc_runtime.can_access_peer(device, peer_device)
+        self.choice: RouteChoice = choose_route(
+            device, peer_device, reachable, self.block_len, cross_device
+        )
+        """The route this peer takes and why (`ipc_route.choose_route`)."""
+        if not self.choice.ipc or peer_device is None:
+            raise IpcError(f"{self.choice.reason} ({export.pci_bus_id}): NIXL carries it")
+        self.peer_device = peer_device
+        if peer_device != device:
+            ipc_runtime.enable_peer_access(device, peer_device)
         self.words = self.block_len // 8
         for slot in local:
             region = remote.get(slot.name)
@@ -96,6 +112,7 @@ class OpenedPeer:
                 raise IpcError(f"D's region {slot.name!r} lies outside its allocation")
         self.device = torch.device("cuda", device)
         self.ptrs: list[int] = []
+        self.gather: GatherLaunches | None = None
         try:
             for handle in export.handles:
                 self.ptrs.append(ipc_runtime.open_mem_handle(handle))
@@ -116,13 +133,16 @@ class OpenedPeer:
             [(a - dst_base) // 8 for a in dst], dtype=torch.int64, device=self.device
         )
         self.regions = len(local)
+        self._src_addrs, self._dst_addrs = src, dst
         self._launch: Callable[..., None] | None = None
         self._stream: torch.cuda.Stream | None = None
-        self.gather: GatherLaunches | None = None
-        self.kernel: KernelChoice = "triton"
+        self.kernel: str = "triton"
+        """"cuda_core", "triton", or "copy_engine" (no kernel: `route` copy_engine)."""
         self.kernel_note = ""
         """Why the cuda.core kernel is not used ("" when it is)."""
-        if kernel != "triton":
+        if self.choice.route == "copy_engine":
+            self.kernel = "copy_engine"
+        elif kernel != "triton":
             self._open_gather(src, dst)
             if self.gather is None and kernel == "cuda_core":
                 self.close()
@@ -163,7 +183,33 @@ class OpenedPeer:
         to be given back with `retire` once its requests were completed."""
         if self.gather is not None:
             return cast("Copy", self.gather.launch(local_ids, remote_ids))
+        if self.kernel == "copy_engine":
+            return self._launch_copies(local_ids, remote_ids)
         return self._launch_triton(local_ids, remote_ids)
+
+    @property
+    def route(self) -> Route:
+        return self.choice.route
+
+    def _launch_copies(self, local_ids: list[int], remote_ids: list[int]) -> Copy:
+        """The copy-engine route: per region, one `cudaMemcpyAsync` per run of blocks
+        adjacent on both sides, on this peer's stream after the default stream."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self._stream
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        runs = coalesce(local_ids, remote_ids)
+        size = self.block_len
+        with torch.cuda.device(self.device):
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+            handle = int(stream.cuda_stream)
+            for src, dst in zip(self._src_addrs, self._dst_addrs, strict=True):
+                for local, remote, n in runs:
+                    ipc_runtime.memcpy_async(
+                        dst + remote * size, src + local * size, n * size, handle
+                    )
+            event.record(stream)
+        return event
 
     def retire(self, copy: Copy) -> None:
         """A launch ended and its requests were completed: its buffers may be reused."""

@@ -22,6 +22,8 @@ from kvhandoff.adapters.cuda import bindings
 from kvhandoff.protocol.errors import KvHandoffError
 
 IPC_HANDLE_BYTES = 64
+PEER_ACCESS_ALREADY_ENABLED = 704
+"""cudaErrorPeerAccessAlreadyEnabled."""
 
 
 class IpcError(KvHandoffError):
@@ -69,6 +71,47 @@ def can_access_peer(device: int, peer: int) -> bool:
         return True
     (ok,) = _call(_rt(), "cudaDeviceCanAccessPeer", device, peer)
     return bool(ok)
+
+
+def visible_device(bus_id: str) -> int | None:
+    """This process's number for the GPU at `bus_id`, or None where it is not visible
+    (CUDA_VISIBLE_DEVICES hides it, or no such GPU)."""
+    try:
+        return device_by_pci_bus_id(bus_id)
+    except IpcError:
+        return None
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels and copies of `device` reach `peer`'s memory (cudaDeviceEnablePeerAccess
+    from `device`); enabled already counts as done. The caller checked
+    `can_access_peer` first."""
+    if device == peer:
+        return
+    rt = _rt()
+    set_device(device)
+    result = rt.cudaDeviceEnablePeerAccess(peer, 0)
+    err = result[0] if isinstance(result, tuple) else result
+    code = int(cast(int, getattr(err, "value", err)))
+    if code == PEER_ACCESS_ALREADY_ENABLED:
+        rt.cudaGetLastError()  # take the (non-sticky) error back off the thread
+        return
+    if code != 0:
+        raise IpcError(f"cudaDeviceEnablePeerAccess({device} -> {peer}) failed: {err}")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """One copy-engine copy between UVA device addresses (an IPC-mapped peer address
+    too: with peer access the driver routes it GPU to GPU, as cudaMemcpyPeerAsync)."""
+    rt = _rt()
+    _call(rt, "cudaMemcpyAsync", dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
+
+
+def memcpy_peer_async(
+    dst: int, dst_device: int, src: int, src_device: int, nbytes: int, stream: int
+) -> None:
+    """cudaMemcpyPeerAsync between two of this process's own allocations."""
+    _call(_rt(), "cudaMemcpyPeerAsync", dst, dst_device, src, src_device, nbytes, stream)
 
 
 def allocation_range(ptr: int) -> tuple[int, int]:

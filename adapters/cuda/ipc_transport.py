@@ -25,8 +25,10 @@ except:
 
 Source KV readiness: the kernel runs on the transport's own stream after the device's
 default stream (an engine calls `request_finished` after its step synchronised).
-Several GPUs of one host: D's GPU is found by PCI bus id and opened with lazy peer access
-where `cudaDeviceCanAccessPeer` allows; only the single-GPU case has been run.
+Several GPUs of one host (issue 29): D's GPU is found by PCI bus id and the route is
+chosen once per peer (`ipc_route.choose_route`): the kernel on one GPU, the kernel or the
+copy engine across GPUs with peer access enabled, NIXL without peer access; only the
+single-GPU case has been run.
 
 Nothing here imports torch, Triton or cuda.bindings before a D's export is opened. The
 handle, launch and counter records are in `ipc_handles.py`.
@@ -67,6 +69,7 @@ from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 if TYPE_CHECKING:
     from kvhandoff.adapters.cuda.ipc_peer import KernelChoice, OpenedPeer
+    from kvhandoff.adapters.cuda.ipc_route import CrossDevice
 
 __all__ = ["IpcHandle", "IpcPushTransport", "IpcStats", "Path"]
 
@@ -88,9 +91,12 @@ class IpcPushTransport:
         notifier: bool = False,
         launch_at_flush: bool = False,
         kernel: KernelChoice = "auto",
+        cross_device: CrossDevice = "auto",
         clock: Callable[[], float] = real_clock,
     ) -> None:
         self.inner = inner
+        self.cross_device: CrossDevice = cross_device
+        """How a D on another GPU with peer access is copied to (`ipc_route`)."""
         self.kernel: KernelChoice = kernel
         """The gather-scatter kernel of opened peers (`ipc_peer.KernelChoice`)."""
         self.launch_every = launch_every
@@ -233,7 +239,9 @@ class IpcPushTransport:
             from kvhandoff.adapters.cuda.ipc_peer import OpenedPeer
 
             export = decode_export(inst.ctx.export)
-            peer = OpenedPeer(export, self.inner.layout.slots, self.device, self.kernel)
+            peer = OpenedPeer(
+                export, self.inner.layout.slots, self.device, self.kernel, self.cross_device
+            )
         except Exception as exc:  # any reason at all: this rank stays on NIXL
             self.stats.refused_peers[key] = str(exc)
             log.warning("CUDA IPC to %s rank %d refused, using NIXL: %s", engine_id, rank, exc)
@@ -241,6 +249,7 @@ class IpcPushTransport:
             return None
         self.stats.opened_peers += 1
         self.stats.kernel = peer.kernel
+        self.stats.routes[key] = peer.route
         self._mapped[key] = peer
         self.bus.dispatch(IPC_PEER, key, MappingsOpened(), now)
         return peer

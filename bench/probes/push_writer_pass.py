@@ -16,16 +16,25 @@ engine step and the phases are timed one after the other, single-threaded, with
   `finished_sending`.
 
 Prints the median of each phase in µs per request (and in total) as JSON.
+
+`--count` runs the same reps under cProfile instead, from D's `update_state_after_alloc`
+to D's `finished_recving` (both engines' scheduler, rank and writer halves), and prints
+per pushed request: Python calls, bus dispatches (`EventBus.dispatch`), and machine
+instances created on every bus (issue 26's figures of the request's path).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.adapters.push_transport import (
@@ -150,7 +159,20 @@ class MemoryTransport:
 PHASES = ("finish", "stage", "writer", "report", "d_writer", "d_step")
 
 
-def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
+def _created(side: PushSide) -> int:
+    """Machine instances created so far on every bus of one engine."""
+    buses = [side.scheduler.bus, *(r.bus for r in side.ranks), *(r.writer_bus for r in side.ranks)]
+    return sum(m.created for bus in buses for m in bus._machines.values())
+
+
+class _Profiler(Protocol):
+    def enable(self) -> None: ...
+    def disable(self) -> None: ...
+
+
+def run(
+    requests: int, blocks_per_request: int, reps: int, profile: _Profiler | None = None
+) -> dict[str, float]:
     capacity = requests * blocks_per_request
     tp = MemoryTransport(P_ENGINE, P_AGENT, D_ENGINE, D_AGENT, capacity)
     td = MemoryTransport(D_ENGINE, D_AGENT, P_ENGINE, P_AGENT, capacity)
@@ -164,7 +186,11 @@ def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
     )
     prefill = PrefillCoordinates(P_ENGINE, "127.0.0.1", 5600, 1)
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
+    created = 0
     for rep in range(reps + 2):
+        if profile is not None and rep >= 2:
+            created -= _created(p) + _created(d)
+            profile.enable()
         client = [f"cmpl-probe{rep:04d}{q:05d}-0" for q in range(requests)]
         n = blocks_per_request
         p_blocks = [list(range(q * n, (q + 1) * n)) for q in range(requests)]
@@ -193,6 +219,9 @@ def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
         received = set(d.step().finished_recving)
         t6 = time.perf_counter()
         if rep >= 2:
+            if profile is not None:
+                profile.disable()
+                created += _created(p) + _created(d)
             assert (len(sent), len(received)) == (requests, requests), (len(sent), len(received))
         connect_deferred(rank)  # first rep: P's remote engine connects, as a handshake would
         while len(sent) < requests or len(received) < requests:  # warm-up reps
@@ -206,7 +235,64 @@ def run(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
                 phases[name].append((marks[i + 1] - marks[i]) * 1e6 / requests)
     result = {name: round(statistics.median(v), 2) for name, v in phases.items()}
     result["total"] = round(sum(result.values()), 2)
+    if profile is not None:
+        result["instances_per_request"] = round(created / (requests * reps), 2)
     return result
+
+
+class _Hops:
+    """A profile-shaped tracer of the request's path: calls from one kvhandoff module into
+    another (a hop), and the modules entered (`sys.setprofile`, enabled like cProfile)."""
+
+    def __init__(self) -> None:
+        self.hops = 0
+        self.modules: set[str] = set()
+
+    def _trace(self, frame: object, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        code = frame.f_code  # type: ignore[attr-defined]
+        callee = code.co_filename
+        if "kvhandoff" not in callee or "/probes/" in callee:
+            return
+        self.modules.add(callee.rsplit("kvhandoff/", 1)[-1])
+        caller = frame.f_back  # type: ignore[attr-defined]
+        if caller is not None and caller.f_code.co_filename != callee:
+            self.hops += 1
+
+    def enable(self) -> None:
+        sys.setprofile(self._trace)
+
+    def disable(self) -> None:
+        sys.setprofile(None)
+
+
+def hops() -> dict[str, object]:
+    """One request pushed alone (after two warm-up reps): cross-module calls and modules."""
+    tracer = _Hops()
+    run(1, 4, 1, tracer)
+    return {"cross_module_calls": tracer.hops, "modules": len(tracer.modules)}
+
+
+def count(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]:
+    """Calls, dispatches and instances per pushed request (see the module docstring)."""
+    profile = cProfile.Profile()
+    result = run(requests, blocks_per_request, reps, profile)
+    stats = pstats.Stats(profile)
+    pushed = requests * reps
+    calls = sum(entry[1] for entry in stats.stats.values())  # type: ignore[attr-defined]
+    dispatches = sum(
+        entry[1]
+        for (filename, _line, name), entry in stats.stats.items()  # type: ignore[attr-defined]
+        if name == "dispatch" and filename.endswith("runtime/bus.py")
+    )
+    return {
+        "requests": requests,
+        "reps": reps,
+        "calls_per_request": round(calls / pushed, 1),
+        "dispatches_per_request": round(dispatches / pushed, 2),
+        "instances_per_request": result["instances_per_request"],
+    }
 
 
 def connect_deferred(rank: object) -> None:
@@ -224,8 +310,19 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=16, help="blocks per request")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument(
+        "--count", action="store_true", help="calls, dispatches, instances per request"
+    )
+    parser.add_argument(
+        "--hops", action="store_true", help="cross-module calls and modules of one request"
+    )
     args = parser.parse_args()
-    print(json.dumps(run(args.requests, args.blocks, args.reps)))
+    if args.hops:
+        print(json.dumps(hops()))
+    elif args.count:
+        print(json.dumps(count(args.requests, args.blocks, args.reps)))
+    else:
+        print(json.dumps(run(args.requests, args.blocks, args.reps)))
     return 0
 
 

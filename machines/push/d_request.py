@@ -14,21 +14,35 @@ in the step's metadata and learns each rank's outcome from the rank's output.
 - Pull mode (B-09): a rank that posted its READ stops the watchdog (`transferring`): the
   READ runs to its end under its own timeout, so the engine never frees blocks a READ
   writes into.
-- The watchdog (or the engine's abort path) ends the request in two steps: the next
-  metadata tells every rank to drop it (`ending`), and only when every rank has dropped it
-  does it end (`expired` / `aborted`, `unreported`: the engine's abort path fails it,
-  R-P10). It is never re-sent.
+- The watchdog or the engine's abort path (`Abort`, vLLM ending a request it waits for)
+  drops the request in two steps: the next metadata tells every rank to drop it
+  (`dropping`, `ending`), and it moves on once every rank let go of it (dropped it, or
+  finished its part before it heard: vLLM ends a failed load before it hands over the
+  ranks' outputs).
+- Given up by the watchdog, it is `expired`: never re-sent, and it stays awaiting its
+  receive until the engine's abort path ends it (R-P10), as vLLM keeps it in
+  `WAITING_FOR_REMOTE_KVS`. Ended by the engine (before, while the ranks drop it, or
+  once expired), it is reported `released` (`ReportReleased`, with why): its blocks are
+  the engine's again. The engine hears of every request it waits for exactly once:
+  received, failed or released.
 
 Tags: `drainable` (the next metadata carries it), `needs_heartbeat` (D keeps P's lease
-alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable`, `ending`
-(the metadata tells the ranks to drop it), `unreported` (ended without a report).
+alive for it), `awaiting_ranks` (ranks' reports are expected), `abortable` (the abort
+path ends it), `ending` (the metadata tells the ranks to drop it), `given_up` (the
+watchdog dropped it; only the abort path ends it now).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.push.effects import ReportFailedRecving, ReportFinishedRecving, Warn
+from kvhandoff.machines.push.effects import (
+    ReportFailedRecving,
+    ReportFinishedRecving,
+    ReportReleased,
+    TimeTransfer,
+    Warn,
+)
 from kvhandoff.machines.push.events import (
     Abort,
     Drained,
@@ -59,9 +73,16 @@ class DRequestCtx:
     """Pull: where the ranks read from."""
     reported: set[int] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
+    expired: bool = False
+    """The watchdog gave up on it before the engine ended it."""
+    engine_ended: bool = False
+    """The engine's abort path ended it: release it once no rank holds it."""
+    since: float = 0.0
+    """When the engine allocated its blocks (the scheduler's `now`): the receive's wait is
+    timed from it (B-14)."""
 
 
-WATCHDOG = Timeout("push_registration_timeout", "expiring", WatchdogExpired, action="give_up")
+WATCHDOG = Timeout("push_registration_timeout", "dropping", WatchdogExpired, action="give_up")
 
 RankReport = RankReceived | RankRecvFailed
 
@@ -90,7 +111,11 @@ def count_repeat(ctx: DRequestCtx, event: RankReport | RankEnded) -> list[Effect
 
 def finish(ctx: DRequestCtx, event: RankReceived) -> list[Effect]:
     record(ctx, event)
-    return [ReportFinishedRecving(ctx.key), Metric("push.d.received")]
+    return [
+        ReportFinishedRecving(ctx.key),
+        TimeTransfer(ctx.key, ctx.since, len(ctx.block_ids)),
+        Metric("push.d.received"),
+    ]
 
 
 def fail(ctx: DRequestCtx, event: RankReport) -> list[Effect]:
@@ -101,6 +126,7 @@ def fail(ctx: DRequestCtx, event: RankReport) -> list[Effect]:
 
 def give_up(ctx: DRequestCtx, event: WatchdogExpired) -> list[Effect]:
     ctx.reported.clear()
+    ctx.expired = True
     return [
         Warn(ctx.key, "push registration watchdog expired; dropped, not re-sent"),
         Metric("push.d.watchdog_expired"),
@@ -109,6 +135,22 @@ def give_up(ctx: DRequestCtx, event: WatchdogExpired) -> list[Effect]:
 
 def abort(ctx: DRequestCtx, event: Abort) -> None:
     ctx.reported.clear()
+    ctx.engine_ended = True
+
+
+def engine_ends(ctx: DRequestCtx, event: Abort) -> None:
+    """The engine ended it while the ranks drop it for the watchdog: their acks count."""
+    ctx.engine_ended = True
+
+
+def engine_ended(ctx: DRequestCtx, event: RankReport | RankEnded) -> bool:
+    return ctx.engine_ended
+
+
+def release(ctx: DRequestCtx, event: Abort | RankReport | RankEnded) -> list[Effect]:
+    reason = "push registration watchdog expired" if ctx.expired else "aborted"
+    failed = bool(ctx.failures) or isinstance(event, RankRecvFailed)
+    return [ReportReleased(ctx.key, reason, failed), Metric("push.d.released")]
 
 
 _WAITING = ["awaiting", "transferring"]
@@ -143,25 +185,26 @@ def _reports(trigger: type[RankReport]) -> list[dict[str, object]]:
     return [{"trigger": trigger, "source": _WAITING, **row} for row in rows]
 
 
-def _acks(source: str, dest: str) -> list[dict[str, object]]:
-    """A rank dropped the ended request; when every rank did, it ends."""
-    return [
-        {
-            "trigger": RankEnded,
-            "source": source,
-            "dest": None,
-            "conditions": "repeated",
-            "after": "count_repeat",
-        },
-        {
-            "trigger": RankEnded,
-            "source": source,
-            "dest": dest,
-            "conditions": "last",
-            "unless": "repeated",
-        },
-        {"trigger": RankEnded, "source": source, "dest": None, "after": "record"},
-    ]
+def _acks() -> list[dict[str, object]]:
+    """A rank let go of the request being dropped (it dropped it, or finished its part
+    before it heard); when every rank did, it is released if the engine ended it, else
+    it waits for the engine's abort path (`expired`)."""
+    rows: list[dict[str, object]] = []
+    for trigger in (RankEnded, RankReceived, RankRecvFailed):
+        rows += [
+            {"conditions": "repeated", "dest": None, "after": "count_repeat"},
+            {
+                "conditions": ["last", "engine_ended"],
+                "unless": "repeated",
+                "dest": "released",
+                "after": "release",
+            },
+            {"conditions": "last", "unless": ["repeated", "engine_ended"], "dest": "expired"},
+            {"dest": None, "after": "record"},
+        ]
+        for row in rows[-4:]:
+            row.update(trigger=trigger, source="dropping")
+    return rows
 
 
 D_REQUEST: Declaration[DRequestCtx] = Declaration(
@@ -175,12 +218,11 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
             "tags": ("needs_heartbeat", "awaiting_ranks", "abortable"),
         },
         {"name": "transferring", "tags": ("needs_heartbeat", "awaiting_ranks")},
-        {"name": "expiring", "tags": ("ending",)},
-        {"name": "aborting", "tags": ("ending",)},
+        {"name": "dropping", "tags": ("ending", "abortable")},
+        {"name": "expired", "tags": ("given_up", "abortable")},
         {"name": "received", "final": True},
         {"name": "failed", "final": True},
-        {"name": "expired", "final": True, "tags": ("unreported",)},
-        {"name": "aborted", "final": True, "tags": ("unreported",)},
+        {"name": "released", "final": True},
     ],
     initial="stashed",
     transitions=[
@@ -188,14 +230,15 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         {"trigger": RankPosted, "source": "awaiting", "dest": "transferring"},
         *_reports(RankReceived),
         *_reports(RankRecvFailed),
-        {"trigger": Abort, "source": ["stashed", "awaiting"], "dest": "aborting", "after": "abort"},
-        *_acks("expiring", "expired"),
-        *_acks("aborting", "aborted"),
+        {"trigger": Abort, "source": ["stashed", "awaiting"], "dest": "dropping", "after": "abort"},
+        {"trigger": Abort, "source": "dropping", "dest": None, "after": "engine_ends"},
+        {"trigger": Abort, "source": "expired", "dest": "released", "after": "release"},
+        *_acks(),
     ],
     ignore=[
-        # A rank that finished its part before it heard the request ended.
-        *((s, e) for s in ("expiring", "aborting") for e in (RankReceived, RankRecvFailed)),
-        *((s, RankPosted) for s in ("transferring", "expiring", "aborting")),
+        # Every rank let go already; a late report changes nothing.
+        *(("expired", e) for e in (RankReceived, RankRecvFailed)),
+        *((s, RankPosted) for s in ("transferring", "dropping", "expired")),
     ],
     callbacks={
         "repeated": repeated,
@@ -207,6 +250,9 @@ D_REQUEST: Declaration[DRequestCtx] = Declaration(
         "fail": fail,
         "give_up": give_up,
         "abort": abort,
+        "engine_ends": engine_ends,
+        "engine_ended": engine_ended,
+        "release": release,
     },
     config_defaults={"push_registration_timeout": 480.0},
     context=DRequestCtx,

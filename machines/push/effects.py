@@ -41,6 +41,29 @@ class ReportFailedRecving(Effect):
 
 
 @dataclass(frozen=True, slots=True)
+class ReportReleased(Effect):
+    """D: the engine ended a request it was waiting for (its abort path) and no rank
+    holds it any more: its blocks are the engine's again (vLLM frees them once it sees the
+    id in `finished_recving`). `reason` says why the receive did not happen; `failed`, that
+    a rank had failed its part first (the engine ended it for the failed load, B-14)."""
+
+    request_id: str
+    reason: str
+    failed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TimeTransfer(Effect):
+    """A scheduler-side request every rank is done with, moved: when it began (`since`,
+    the `now` the scheduler created it at: P's prefill end, D's block allocation) and how
+    many blocks it moved; the scheduler times it at the step it ends (B-14)."""
+
+    request_id: str
+    since: float
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReportFinishedSending(Effect):
     """P: the blocks may be freed (WRITEs done or failed, or the lease ran out) (R-P09)."""
 
@@ -178,6 +201,9 @@ class RankRegistration:
     d_rank: int
     registration: PushRegistration
     sender: str
+    known: bool = True
+    """The sender is an agent of an engine this rank is connected to: it holds from the
+    connected engines' budget, not the share of agents of no known engine (S-03)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +234,8 @@ class ReplayRegistration(Effect):
 
     request_id: str
     registration: PushRegistration
+    retried: bool = False
+    """Sent again after a re-handshake (B-08): P's agent was gone (P restarted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +289,7 @@ class SendPushReg(Effect):
 
     request_id: str
     registration: PushRegistration
+    retried: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +328,10 @@ class ForwardToMain(Effect):
     peer: str
     engine: str | None = None
     rank: int | None = None
+    at: float | None = None
+    """When the writer took it from NIXL: the main thread applies it at that time, before
+    the timeouts due after it (a heartbeat that arrived before its lease's deadline
+    extends the lease, R-P08); None applies it at the main thread's `now`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +362,7 @@ class HoldPending(Effect):
     peer: str
     blocks: int
     count: int
+    known: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,12 +157,12 @@ def own_attempt(ctx: MatchCtx, event: Revoke | Issued) -> bool:
 def _hold(ctx: MatchCtx, reg: RankRegistration) -> list[Effect]:
     ctx.d_id = reg.registration.request_id
     ctx.regs[reg.d_rank] = reg
-    return [HoldPending(reg.sender, len(reg.registration.block_ids), 1)]
+    return [HoldPending(reg.sender, len(reg.registration.block_ids), 1, reg.known)]
 
 
 def _release(ctx: MatchCtx) -> list[Effect]:
     effects: list[Effect] = [
-        HoldPending(r.sender, len(r.registration.block_ids), -1) for r in ctx.regs.values()
+        HoldPending(r.sender, len(r.registration.block_ids), -1, r.known) for r in ctx.regs.values()
     ]
     ctx.regs = {}
     return effects

@@ -26,6 +26,7 @@ __all__ = [
     "PushConnectorMeta",
     "PushConnectorOutput",
     "PushWorkerOutput",
+    "Timing",
 ]
 
 FAILURE_CAUSES = ("handshake", "post", "transfer_error", "timeout", "peer_gone", "rejected")
@@ -61,10 +62,22 @@ class PushWorkerOutput(msgspec.Struct, kw_only=True):
     finished_sending: tuple[str, ...] = ()
     finished_recving: tuple[str, ...] = ()
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+    invalid_block_ids: tuple[int, ...] = ()
+    """The blocks of this step's failed receives: the rank's load errors (the engine's
+    worker reports them in the same step as the failure, R-P12)."""
     ended: tuple[str, ...] = ()
     posted: tuple[str, ...] = ()
     failures: dict[str, int] = msgspec.field(default_factory=dict)
     """Failures since the last output, by cause (`FAILURE_CAUSES`)."""
+
+
+class Timing(msgspec.Struct, frozen=True):
+    """One finished transfer, timed by the scheduler's machines (B-14)."""
+
+    seconds: float
+    """From its start (P: the prefill's end; D: the blocks' allocation) to the step every
+    rank reported it done."""
+    num_blocks: int
 
 
 class PushConnectorOutput(msgspec.Struct, kw_only=True):
@@ -74,3 +87,11 @@ class PushConnectorOutput(msgspec.Struct, kw_only=True):
     finished_recving: set[str] = msgspec.field(default_factory=set)
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    released: dict[str, str] = msgspec.field(default_factory=dict)
+    """D requests the engine ended (abort path) that no rank holds any more, with why the
+    receive did not happen: their blocks may be freed (`ReportReleased`)."""
+    failed_released: set[str] = msgspec.field(default_factory=set)
+    """The released requests a rank had failed its part of (the engine ended them for the
+    failed load, as vLLM does under `kv_load_failure_policy="fail"`): failed transfers."""
+    timings: dict[str, Timing] = msgspec.field(default_factory=dict)
+    """Each request of `finished_sending` and `finished_recving`, timed (`Timing`)."""

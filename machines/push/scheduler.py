@@ -19,14 +19,16 @@ state takes `now`.
   one of the engine's and its step newer than the last one it reported, else it is stale
   and ignored, counted. Entries about requests that no longer wait for the rank are
   counted stale too.
-- Failures by cause (B-14) add up across the ranks: `stats()`.
+- Failures by cause (B-14) add up across the ranks: `stats()`. Each sent or received
+  request is timed by its machine, from the `now` it was created at to the call that ends
+  it (`PushConnectorOutput.timings`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvhandoff.machines.push.d_request import D_REQUEST, DRequestCtx
@@ -34,6 +36,8 @@ from kvhandoff.machines.push.effects import (
     ReportFailedRecving,
     ReportFinishedRecving,
     ReportFinishedSending,
+    ReportReleased,
+    TimeTransfer,
     Warn,
 )
 from kvhandoff.machines.push.events import (
@@ -51,6 +55,7 @@ from kvhandoff.machines.push.meta import (
     PushConnectorMeta,
     PushConnectorOutput,
     PushWorkerOutput,
+    Timing,
 )
 from kvhandoff.machines.push.p_request import P_REQUEST, PRequestCtx
 from kvhandoff.machines.runtime.bus import EventBus
@@ -59,9 +64,11 @@ from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.errors import LocalProtocolError
 from kvhandoff.protocol.legs import (
+    COORDINATE_KEYS,
     PrefillCoordinates,
     PullSource,
     prefill_coordinates,
+    prefill_request_id,
     pull_params,
     pull_source,
     push_decode_params,
@@ -78,6 +85,7 @@ Mode = Literal["push", "pull"]
 SCHEDULER_KINDS: tuple[Declaration[Any], ...] = (D_REQUEST, P_REQUEST)
 
 _DRAINED = Drained()  # events are frozen: one instance serves every request
+_ENGINES_SEEN = 256  # distinct P engine coordinates remembered (`_prefill_engine`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +128,14 @@ class PushScheduler:
             self.bus.register(kind, machine_config)
         # Asked every step (`ended` in the metadata) while few of the live requests carry it.
         self.bus.watch(D_REQUEST, "ending")
+        self.bus.watch(D_REQUEST, "given_up")  # counted by has_pending_push_work
         self.step = 0
         self.next_heartbeat = now + self.config.heartbeat_every
         self.stale_reports = 0
         self.failures: dict[str, int] = dict.fromkeys(FAILURE_CAUSES, 0)
         self._last_step: dict[int, int] = {}
         self._to_drain: list[str] = []
+        self._engines_seen: dict[tuple[object, ...], PrefillCoordinates] = {}
         self._output = PushConnectorOutput()
         # This engine's coordinates as P hands them to D, built once.
         self._here_pull = PrefillCoordinates(
@@ -138,6 +148,8 @@ class PushScheduler:
         bus_.handle(ReportFinishedRecving, self._on_finished_recving)
         bus_.handle(ReportFailedRecving, self._on_failed_recving)
         bus_.handle(ReportFinishedSending, self._on_finished_sending)
+        bus_.handle(ReportReleased, self._on_released)
+        bus_.handle(TimeTransfer, self._on_timed)
         bus_.handle(Warn, lambda _inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
 
     # -- D side ----------------------------------------------------------------------
@@ -168,11 +180,10 @@ class PushScheduler:
                 heartbeat_engine=source.prefill.engine_id,
                 heartbeat_id=source.request_id,
                 source=source,
+                since=now,
             )
         else:
-            prefill = prefill_coordinates(kv_transfer_params)
-            if prefill.tp_size != self.config.tp_size:  # equal positive sizes always map
-                check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
+            prefill = self._prefill_engine(kv_transfer_params)
             ctx = DRequestCtx(
                 request_id,
                 blocks,
@@ -180,11 +191,31 @@ class PushScheduler:
                 heartbeat_engine=prefill.engine_id,
                 # C-01: P's own id when the leg names it (a stock vLLM P matches exactly);
                 # else D's, which a kvhandoff P matches by base id.
-                heartbeat_id=prefill.request_id or request_id,
+                heartbeat_id=prefill_request_id(kv_transfer_params) or request_id,
                 registration=self._registration(request_id, blocks, prefill),
+                since=now,
             )
         self.bus.create(D_REQUEST, ctx, now)
         self._to_drain.append(request_id)
+
+    def _prefill_engine(self, params: Mapping[str, Any]) -> PrefillCoordinates:
+        """P's engine coordinates on a decode leg, parsed and checked once per distinct
+        set of values (every leg from one P engine carries the same): a bounded memo."""
+        try:
+            key = tuple(map(params.get, COORDINATE_KEYS))
+            known = self._engines_seen.get(key)
+        except TypeError:  # an unhashable value: parse it to say what is wrong
+            key, known = None, None
+        if known is not None:
+            return known
+        prefill = replace(prefill_coordinates(params), request_id="")  # the engine's only
+        if prefill.tp_size != self.config.tp_size:  # equal positive sizes always map
+            check_tp_sizes(prefill.tp_size, self.config.tp_size, peer=prefill.engine_id)
+        if key is not None:
+            if len(self._engines_seen) >= _ENGINES_SEEN:
+                self._engines_seen.clear()
+            self._engines_seen[key] = prefill
+        return prefill
 
     def _registration(
         self, request_id: str, blocks: tuple[int, ...], prefill: PrefillCoordinates
@@ -206,8 +237,10 @@ class PushScheduler:
         )
 
     def abort(self, request_id: str, now: float) -> None:
-        """D: the engine's request-level abort path ends a request that has not been
-        reported yet (a reported receive reaches the engine as usual)."""
+        """D: the engine's request-level abort path ends a request it waits for. Once no
+        rank holds it (at once, if the watchdog already dropped it) it is reported
+        `released`; a receive the ranks are still reporting (a pull READ in flight)
+        reaches the engine as usual, and so does one already reported."""
         self.bus.advance(now)
         if self.bus.has_tag(D_REQUEST, request_id, "abortable"):
             self.bus.dispatch(D_REQUEST, request_id, Abort(), now)
@@ -226,18 +259,23 @@ class PushScheduler:
         """P: hold the blocks for the push; True delays freeing them (R-P03).
 
         Only a request that finished normally (stopped or length-capped) and holds
-        blocks is leased; an aborted or errored one is freed at once (vLLM 0.33)."""
+        blocks is leased; an aborted or errored one is freed at once (vLLM 0.33). One that
+        finished normally without blocks leases nothing but still hands D its decode-leg
+        params, `(False, params)`, as vLLM 0.33's push connector does."""
         self._require("prefill", "request_finished")
         if not kv_transfer_params or not kv_transfer_params.get("do_remote_decode"):
             return False, None
-        if not finished_normally or not block_ids:
+        if not finished_normally:
             return False, None
         blocks = tuple(block_ids)
-        self.bus.create(P_REQUEST, PRequestCtx(request_id, blocks, ranks=self.world), now)
-        self._to_drain.append(request_id)
+        if blocks:
+            ctx = PRequestCtx(request_id, blocks, ranks=self.world, since=now)
+            self.bus.create(P_REQUEST, ctx, now)
+            self._to_drain.append(request_id)
+        delay = bool(blocks)
         if self.mode == "pull":
-            return True, pull_params(self._here_pull, request_id, list(blocks))
-        return True, push_decode_params(self._here_push, blocks, request_id)
+            return delay, pull_params(self._here_pull, request_id, list(blocks))
+        return delay, push_decode_params(self._here_push, blocks, request_id)
 
     # -- every step --------------------------------------------------------------------
 
@@ -304,14 +342,15 @@ class PushScheduler:
 
     def _apply(self, output: PushWorkerOutput, now: float) -> None:
         rank = output.rank
-        self._deliver(D_REQUEST, output.finished_recving, "awaiting_ranks", RankReceived(rank), now)
+        # A rank's part ends a request the ranks still hold, or counts as letting go of
+        # one the scheduler is ending (the engine may end it before it hands over this).
+        held = ("awaiting_ranks", "ending")
+        self._deliver(D_REQUEST, output.finished_recving, held, RankReceived(rank), now)
         for request_id, reason in output.failed_recving.items():
-            self._deliver(
-                D_REQUEST, (request_id,), "awaiting_ranks", RankRecvFailed(rank, reason), now
-            )
-        self._deliver(D_REQUEST, output.posted, "awaiting_ranks", RankPosted(rank), now)
-        self._deliver(D_REQUEST, output.ended, "ending", RankEnded(rank), now)
-        self._deliver(P_REQUEST, output.finished_sending, "awaiting_ranks", RankSent(rank), now)
+            self._deliver(D_REQUEST, (request_id,), held, RankRecvFailed(rank, reason), now)
+        self._deliver(D_REQUEST, output.posted, ("awaiting_ranks",), RankPosted(rank), now)
+        self._deliver(D_REQUEST, output.ended, ("ending",), RankEnded(rank), now)
+        self._deliver(P_REQUEST, output.finished_sending, ("awaiting_ranks",), RankSent(rank), now)
         for cause, count in output.failures.items():
             if cause in self.failures and count > 0:
                 self.failures[cause] += count
@@ -320,22 +359,27 @@ class PushScheduler:
         self,
         kind: Declaration[Any],
         request_ids: Iterable[str],
-        tag: str,
+        tags: tuple[str, ...],
         event: Event,
         now: float,
     ) -> None:
-        kind.check_tag(tag)
+        for tag in tags:
+            kind.check_tag(tag)
+        wanted = frozenset(tags)
         bus = self.bus
         for request_id in request_ids:
             inst = bus.get(kind, request_id)
-            if inst is not None and tag in inst.node.tags:
+            if inst is not None and not wanted.isdisjoint(inst.node.tags):
                 bus.dispatch(kind, request_id, event, now)
             else:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report
 
     def has_pending_push_work(self) -> bool:
-        """True while any push state is in flight on this side (R-P13)."""
-        return self.bus.live(D_REQUEST) > 0 or self.bus.live(P_REQUEST) > 0
+        """True while any push state is in flight on this side (R-P13); a request the
+        watchdog dropped waits for the engine's abort path, with nothing in flight."""
+        bus = self.bus
+        in_flight = bus.live(D_REQUEST) - len(bus.tagged(D_REQUEST, "given_up"))
+        return in_flight > 0 or bus.live(P_REQUEST) > 0
 
     def stats(self) -> dict[str, int]:
         """Failures by cause across the ranks (B-14), and stale rank reports."""
@@ -352,6 +396,16 @@ class PushScheduler:
 
     def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
         self._output.finished_sending.add(effect.request_id)
+
+    def _on_released(self, _inst: Instance[object], effect: ReportReleased) -> None:
+        self._output.released[effect.request_id] = effect.reason
+        if effect.failed:
+            self._output.failed_released.add(effect.request_id)
+
+    def _on_timed(self, _inst: Instance[object], effect: TimeTransfer) -> None:
+        """At the bus's time: the `now` of the call whose rank reports ended the request."""
+        seconds = max(0.0, self.bus.now - effect.since)
+        self._output.timings[effect.request_id] = Timing(seconds, effect.num_blocks)
 
     def _require(self, role: Role, call: str) -> None:
         if self.role != role:

@@ -23,7 +23,7 @@ logged per peer, rate-limited (`rejections`, S-06), never raised out of the engi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -106,6 +106,8 @@ class PushWorker:
         machine_config = self.config.machine_config()
         for kind in RANK_KINDS:
             self.bus.register(kind, machine_config)
+        # D's heartbeats name a lease by D's id: matched by base id without a scan (R-P04).
+        self.bus.alias(self.p_kind, _base_id)
         self.layout: MemberLayout | None = None
         self.rejections = RejectionLog(log, what="notif")
         self.step = 0
@@ -206,6 +208,8 @@ class PushWorker:
         output.finished_sending = tuple(self._sending)
         output.finished_recving = tuple(self._recving)
         output.posted = tuple(self._posted)
+        if self._invalid:
+            output.invalid_block_ids = tuple(self._invalid)
         self._output = self._fresh_output()
         return output
 
@@ -215,6 +219,7 @@ class PushWorker:
         self._sending: list[str] = []
         self._recving: list[str] = []
         self._posted: list[str] = []
+        self._invalid: list[int] = []
         return PushWorkerOutput(rank=self.rank, step=self.step)
 
     # -- the pending-completion-notifs queue (R-P08) -------------------------------------
@@ -225,10 +230,14 @@ class PushWorker:
         now: float,
         between: Callable[[], None] | None = None,
     ) -> None:
-        """Apply the writer's reports (before time moves on), then the peers' notifs at
-        `now`; their outcomes are reported by the next `get_finished`. `between` (the
-        rank's transport, optional) runs after every `REPORTS_BETWEEN` reports: a long
-        batch of reports does not hold back transfers the transport completes itself."""
+        """Apply the writer's reports (before time moves on), then the peers' notifs, each
+        at the time the writer took it (`ForwardToMain.at`, never before the bus's time nor
+        after `now`): the seed applies notifs before it reaps, so a heartbeat that reached
+        the writer before its lease's deadline extends the lease even when this step runs
+        after the deadline (R-P08, R-P11). Then time moves on to `now`; outcomes are
+        reported by the next `get_finished`. `between` (the rank's transport, optional)
+        runs after every `REPORTS_BETWEEN` reports: a long batch of reports does not hold
+        back transfers the transport completes itself."""
         notifs: list[ForwardToMain] = []
         taken = 0
         for item in items:
@@ -241,12 +250,16 @@ class PushWorker:
                 notifs.append(item)
         if not notifs:
             return
-        self.bus.advance(now)
+        bus = self.bus
         for notif in notifs:
+            at = now if notif.at is None or notif.at > now else notif.at
+            if at > bus.now:
+                bus.advance(at)  # what was due before it arrived fires first
             try:
-                self._on_notif(notif, now)
+                self._on_notif(notif, bus.now)
             except RemoteProtocolError as exc:
                 self.reject(notif.peer, exc, now)
+        bus.advance(now)
 
     def reject(self, peer: str | None, exc: RemoteProtocolError | str, now: float) -> None:
         self.rejections.reject(peer, exc, now)
@@ -288,15 +301,14 @@ class PushWorker:
         ids. Each lease takes it only from the D engine it is bound to (S-02)."""
         kind = self.p_kind
         bus = self.bus
-        by_base = {get_base_request_id(str(i.key)): str(i.key) for i in bus.instances(kind)}
+        beat = Heartbeat(engine, sender)
         unknown = []
         for request_id in request_ids:
-            key = request_id if bus.get(kind, request_id) is not None else None
-            key = key or by_base.get(get_base_request_id(request_id))
-            if key is None:
+            inst = bus.get(kind, request_id) or bus.by_alias(kind, get_base_request_id(request_id))
+            if inst is None:
                 unknown.append(request_id)
             else:
-                bus.dispatch(kind, key, Heartbeat(engine, sender), now)
+                bus.dispatch(kind, inst.key, beat, now)
         return unknown
 
     # -- reports to the scheduler --------------------------------------------------------
@@ -306,6 +318,7 @@ class PushWorker:
 
     def _on_failed_recving(self, _inst: Instance[object], effect: ReportFailedRecving) -> None:
         self._output.failed_recving[effect.request_id] = effect.reason
+        self._invalid.extend(effect.block_ids)
 
     def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
         self._sending.append(effect.request_id)
@@ -320,6 +333,10 @@ class PushWorker:
         cause = effect.cause if effect.cause in FAILURE_CAUSES else "post"
         failures = self._output.failures
         failures[cause] = failures.get(cause, 0) + 1
+
+
+def _base_id(key: Hashable) -> Hashable:
+    return get_base_request_id(str(key))
 
 
 def _for_rank(registration: PushRegistration, tp_rank: int) -> PushRegistration:

@@ -81,7 +81,7 @@ from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.rejections import RejectionLog
-from kvhandoff.protocol.auth import ClusterKey, is_sealed
+from kvhandoff.protocol.auth import ClusterKey, ReplayWindow, is_sealed
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.notifs import PushRegNotif, parse_notif
 from kvhandoff.protocol.push_config import PushConfig
@@ -115,7 +115,10 @@ class PushWriter:
         *,
         rank: int = 0,
         bus: EventBus | None = None,
+        started_at: float = 0.0,
     ) -> None:
+        """`started_at`: this process's start on the wall clock that sealed notifs are
+        checked against (S-05: what was sealed before it is a replay)."""
         self.role = role
         self.engine_id = engine_id
         self.config = cfg = config or PushConfig()
@@ -127,13 +130,18 @@ class PushWriter:
         self.bus.register(MATCH, machine_config)
         self.bus.register(REMOTE_ENGINE, machine_config)
         self.key = ClusterKey.from_text(cfg.cluster_key) if cfg.cluster_key else None
+        self.replay = ReplayWindow(started_at, ttl=cfg.sealed_notif_ttl, skew=cfg.sealed_notif_skew)
         self.poll_interval_s = cfg.push_writer_poll_interval_ms / 1000.0
         self.self_polling = False
         self.rejections = RejectionLog(log, what="notif")
         self.dropped: dict[str, int] = {}
+        # S-03 accounting (counters, not lifecycles: the match slots hold the registrations).
         self.pending_by_peer: dict[str, int] = {}
+        self.pending_blocks_by_peer: dict[str, int] = {}
         self.pending_count = 0
         self.pending_blocks = 0
+        self.unknown_count = 0  # held for agents of no connected engine
+        self.unknown_blocks = 0
         self._awaiting: set[str] = set()  # slots whose blocks wait for PUSH_REGs (R-P07)
         self._heard: set[str] = set()  # engines heard from since the last `advance` (B-11)
         self._effects: list[Effect] = []
@@ -221,9 +229,11 @@ class PushWriter:
             self._note_awaiting(base, inst)
             self._update_self_poll()
 
-    def retry(self, op: ReplayPush, now: float) -> None:
-        """Send a push through D's remote engine again (after its agents were forgotten)."""
-        self._through(op.engine_id, op, now)
+    def retry(self, op: ReplayPush | ReplayRegistration, now: float) -> None:
+        """Send a push, or a `PUSH_REG`, through the peer's remote engine again (after its
+        agents were forgotten, B-08)."""
+        engine = op.engine_id if isinstance(op, ReplayPush) else op.registration.remote_engine_id
+        self._through(engine, op, now)
 
     def advance(self, now: float) -> None:
         """Fire what is due by `now` (pending registrations, tombstones, handshakes,
@@ -237,12 +247,16 @@ class PushWriter:
             self._heard.clear()
         self._update_self_poll()
 
-    def on_notif(self, peer: str, identity: Identity, data: bytes, now: float) -> None:
-        """Route one notif from `get_new_notifs` (R-P08)."""
+    def on_notif(
+        self, peer: str, identity: Identity, data: bytes, now: float, wall: float | None = None
+    ) -> None:
+        """Route one notif from `get_new_notifs` (R-P08). `wall`: the wall-clock time that
+        sealed notifs are checked against (S-05; `now` when None)."""
         self.bus.advance(now)
         try:
             if self.key is not None:
-                data = self.key.open(peer, data)
+                opened = self.key.open(peer, data)
+                data = self.replay.admit(opened, now if wall is None else wall, peer)
             elif is_sealed(data):
                 raise RemoteProtocolError("sealed notif, but no cluster key is configured")
             notif = parse_notif(data, peer=peer)
@@ -254,7 +268,7 @@ class PushWriter:
                     raise RemoteProtocolError(f"PUSH_REG sent to a {self.role} instance")
                 self._on_push_reg(notif.registration, peer, engine, now)
             else:
-                self._effects.append(ForwardToMain(notif, peer, engine, rank))
+                self._effects.append(ForwardToMain(notif, peer, engine, rank, now))
         except RemoteProtocolError as exc:
             self.reject(peer, exc, now)
         self._update_self_poll()
@@ -298,17 +312,36 @@ class PushWriter:
         # C-01: a stock vLLM D names no rank; its ranks all register the same blocks, so
         # one registration stands for every D rank this P rank writes into.
         d_ranks = targets if reg.decode_tp_rank is None else [reg.decode_tp_rank]
+        known = sender_engine is not None
         for d_rank in d_ranks:
-            self._check_caps(sender, len(reg.block_ids))
-            self._to_slot(reg.request_id, RegArrived(RankRegistration(d_rank, reg, sender)))
+            self._check_caps(sender, len(reg.block_ids), known)
+            event = RegArrived(RankRegistration(d_rank, reg, sender, known))
+            self._to_slot(reg.request_id, event)
 
-    def _check_caps(self, peer: str, blocks: int) -> None:
-        """S-03: what one peer, and every peer together, can make this rank hold."""
+    def _check_caps(self, peer: str, blocks: int, known: bool) -> None:
+        """S-03: what one agent, the agents of no connected engine together, and every
+        peer together can make this rank hold. The unknown agents' share is half of each
+        total, so however many names a flood invents, connected engines keep the rest."""
         cfg = self.config
         if self.pending_by_peer.get(peer, 0) >= cfg.max_pending_registrations_per_peer:
             raise RemoteProtocolError(
                 f"over the cap of {cfg.max_pending_registrations_per_peer} waiting PUSH_REGs"
                 " per peer",
+                peer=peer,
+            )
+        held = self.pending_blocks_by_peer.get(peer, 0)
+        if held + blocks > cfg.max_pending_block_ids_per_peer:
+            raise RemoteProtocolError(
+                f"over the cap of {cfg.max_pending_block_ids_per_peer} block ids in one"
+                " peer's waiting PUSH_REGs",
+                peer=peer,
+            )
+        if not known and (
+            self.unknown_count >= cfg.max_pending_registrations // 2
+            or self.unknown_blocks + blocks > cfg.max_pending_block_ids // 2
+        ):
+            raise RemoteProtocolError(
+                "over the share of waiting PUSH_REGs for agents of no connected engine",
                 peer=peer,
             )
         if self.pending_count >= cfg.max_pending_registrations:
@@ -381,7 +414,7 @@ class PushWriter:
             assert isinstance(op, ReplayPush)
             self._through(op.engine_id, op, self.bus.now)
         elif isinstance(op, ReplayRegistration):
-            self._effects.append(SendPushReg(op.request_id, op.registration))
+            self._effects.append(SendPushReg(op.request_id, op.registration, op.retried))
         elif isinstance(op, ReplayPush):
             self._effects.append(IssueWrite(op))
         else:
@@ -399,13 +432,19 @@ class PushWriter:
             bus.dispatch(REMOTE_ENGINE, effect.engine_id, Cancel(effect.request_id), bus.now)
 
     def _on_hold(self, _inst: Instance[Any] | None, effect: HoldPending) -> None:
-        count = self.pending_by_peer.get(effect.peer, 0) + effect.count
+        peer, blocks = effect.peer, effect.blocks * effect.count
+        count = self.pending_by_peer.get(peer, 0) + effect.count
         if count > 0:
-            self.pending_by_peer[effect.peer] = count
+            self.pending_by_peer[peer] = count
+            self.pending_blocks_by_peer[peer] = self.pending_blocks_by_peer.get(peer, 0) + blocks
         else:
-            self.pending_by_peer.pop(effect.peer, None)
+            self.pending_by_peer.pop(peer, None)
+            self.pending_blocks_by_peer.pop(peer, None)
         self.pending_count += effect.count
-        self.pending_blocks += effect.blocks * effect.count
+        self.pending_blocks += blocks
+        if not effect.known:
+            self.unknown_count += effect.count
+            self.unknown_blocks += blocks
 
     # -- wake policy (R-P07) -------------------------------------------------------------
 

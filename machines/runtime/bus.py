@@ -133,13 +133,7 @@ class EventBus(TimerQueues):
         if key in index:
             raise LocalProtocolError(f"machine {kind.name!r}: instance {key!r} already exists")
         inst = Instance(machine, key, ctx, next(self._serials))
-        index[key] = inst
-        machine.created += 1
-        if machine.watched:
-            tags = inst.node.tags
-            for tag, members in machine.watched.items():
-                if tag in tags:
-                    members[key] = inst
+        machine.admit(inst)
         queue = machine.initial.timer_queue  # `_arm`, inlined as in `dispatch`
         if queue is not None:
             deadline = self._now + machine.initial.timeout_seconds  # type: ignore[operator]
@@ -175,6 +169,17 @@ class EventBus(TimerQueues):
         """Keep `tag`'s members as instances enter and leave it: `tagged(kind, tag)` then
         costs what it returns. Only routes that change membership leave the fast path."""
         self.machine(kind).watch(tag)
+
+    def alias(self, kind: Declaration[Any], alias_of: Callable[[Hashable], Hashable]) -> None:
+        """Keep a second key per live instance of `kind`, `alias_of(key)` (how a peer names
+        it: a base request id, say); `by_alias` then finds it without a scan. When two
+        live instances share an alias, the newer one answers."""
+        self.machine(kind).alias(alias_of)
+
+    def by_alias(self, kind: Declaration[C], alias: Hashable) -> Instance[C] | None:
+        """The live instance of `kind` whose alias is `alias` (see `alias`)."""
+        machine = self._machines.get(kind)
+        return None if machine is None else machine.aliases.get(alias)
 
     def has_tag(self, kind: Declaration[C], key: Hashable, tag: str) -> bool:
         """Whether (kind, key) is live and its state carries the declared `tag`."""
@@ -371,15 +376,10 @@ class EventBus(TimerQueues):
                 handler(inst, effect)
 
     def _retire(self, inst: Instance[Any]) -> None:
-        index = inst.machine.index
-        if index.get(inst.key) is not inst:
+        if not inst.machine.release(inst):
             return
-        del index[inst.key]
-        for members in inst.machine.watched.values():
-            members.pop(inst.key, None)
         if inst.timer is not None:
             self._cancel(inst, inst.timer)
-        inst.machine.retired += 1
         for hook in self._retire_hooks:
             hook(inst)
 

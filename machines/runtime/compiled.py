@@ -179,6 +179,10 @@ class CompiledMachine(Generic[C]):
         # Watched tags: the live instances whose state carries the tag, kept up to date by
         # the bus so `tagged` costs what it returns, not one test per live instance.
         self.watched: dict[str, dict[Hashable, Instance[C]]] = {}
+        # A second key per live instance (`EventBus.alias`): how peers name it, kept up to
+        # date by the bus as instances are created and retired.
+        self.alias_of: Callable[[Hashable], Hashable] | None = None
+        self.aliases: dict[Hashable, Instance[C]] = {}
         self._fast_enabled = True
         self.ignored_count = 0
         self.rejected_count = 0
@@ -203,6 +207,39 @@ class CompiledMachine(Generic[C]):
             grouped.setdefault((t.source, t.event), []).append(t)
         for (source, event), options in grouped.items():
             self.nodes[source].on[event] = self._route(options)
+
+    def admit(self, inst: Instance[C]) -> None:
+        """A new live instance: indexed by key, by alias, and in its watched tags."""
+        key = inst.key
+        self.index[key] = inst
+        self.created += 1
+        if self.alias_of is not None:
+            self.aliases[self.alias_of(key)] = inst
+        if self.watched:
+            tags = inst.node.tags
+            for tag, members in self.watched.items():
+                if tag in tags:
+                    members[key] = inst
+
+    def release(self, inst: Instance[C]) -> bool:
+        """A retiring instance leaves every index; False if it had left already."""
+        key = inst.key
+        if self.index.get(key) is not inst:
+            return False
+        del self.index[key]
+        for members in self.watched.values():
+            members.pop(key, None)
+        if self.alias_of is not None:
+            alias = self.alias_of(key)
+            if self.aliases.get(alias) is inst:
+                del self.aliases[alias]
+        self.retired += 1
+        return True
+
+    def alias(self, alias_of: Callable[[Hashable], Hashable]) -> None:
+        """Index the live instances by `alias_of(key)` too (`EventBus.alias`)."""
+        self.alias_of = alias_of
+        self.aliases = {alias_of(key): inst for key, inst in self.index.items()}
 
     def _route(self, options: list[TransitionDecl]) -> Route:
         simple = [self._simple_route(t) for t in options]

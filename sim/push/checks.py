@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import ClassVar
 
-import msgspec
-
 from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.p_request import P_REQUEST
-from kvhandoff.protocol.auth import AUTH_PREFIX
+from kvhandoff.protocol.auth import is_sealed, peek_sealed
 from kvhandoff.protocol.blocks import expand_to_physical
 from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.notifs import decode_completion_notif
@@ -31,13 +29,10 @@ from kvhandoff.sim.push.settings import SimSettings
 
 def unsealed(message: bytes) -> bytes:
     """The notif inside a sealed one (the simulator reads it without the key)."""
-    if not message.startswith(AUTH_PREFIX):
+    if not is_sealed(message):
         return message
-    try:
-        _sender, inner, _tag = msgspec.msgpack.decode(message[len(AUTH_PREFIX) :])
-    except (msgspec.MsgspecError, ValueError, TypeError):
-        return b""
-    return inner if isinstance(inner, bytes) else b""
+    inner = peek_sealed(message)
+    return b"" if inner is None else inner
 
 
 class RunChecks:

@@ -111,6 +111,7 @@ class SimEngine:
             config=cfg,
             clock=world.clock,
             physical_blocks_per_logical=world.settings.ratio,
+            wall=world.clock,
         )
         world.network.serve(
             self.engine_id,
@@ -126,7 +127,7 @@ class SimEngine:
         self.pool = SimBlockPool(world.settings.capacity, world.rng)
         self.arrivals: deque[Arrival] = deque()
         self.requests: dict[str, HeldRequest] = {}
-        self.retired: list[tuple[str, str, bool]] = []  # (key, state, unreported)
+        self.retired: list[tuple[str, str]] = []  # (key, final state) of D requests
         self.last_writer_pass = [world.clock.now] * cfg.world_size
         self.dirty = False
         self.alive = True
@@ -191,7 +192,7 @@ class SimEngine:
 
     def _on_retire(self, inst: Instance[Any]) -> None:
         if inst.machine.decl is D_REQUEST:
-            self.retired.append((str(inst.key), inst.state, inst.has("unreported")))
+            self.retired.append((str(inst.key), inst.state))
 
     def _on_bus_error(self, inst: Instance[Any], event: Event, exc: BaseException) -> None:
         self.world.ledger.violation(
@@ -322,6 +323,16 @@ class SimEngine:
             self._account_prefill(output)
         else:
             self._account_decode(output)
+            self._abort_given_up()
+
+    def _abort_given_up(self) -> None:
+        """The engine's request-level abort path (R-P10): a request the watchdog dropped
+        waits in the engine until it is aborted (a client timeout in vLLM); it is
+        reported released with the next step."""
+        scheduler = self.side.scheduler
+        for inst in scheduler.bus.tagged(D_REQUEST, "given_up"):
+            self.side.abort(str(inst.key))
+            self.dirty = True
 
     # -- admission ---------------------------------------------------------------------
 
@@ -365,7 +376,6 @@ class SimEngine:
         """D's engine aborts a request (the client went away): the abort path. What the
         side reported meanwhile reaches the engine with the next step's output."""
         self.side.abort(request_id)
-        self._account_retired(reported_too=False)
 
     # -- outcomes ------------------------------------------------------------------------
 
@@ -406,30 +416,27 @@ class SimEngine:
             ledger.d_outcome(request_id, "failed")
             self.world.failed(held.key)
             self._quarantine(request_id, held)
-        self._account_retired(reported_too=True)
+        for request_id, reason in sorted(output.released.items()):
+            held = self.requests.pop(request_id, None)
+            if held is None:
+                ledger.violation(f"released {request_id!r}, which D does not hold")
+                continue
+            # P may still write into them until its lease runs out: quarantined.
+            ledger.d_outcome(request_id, "expired" if "watchdog" in reason else "aborted")
+            self._quarantine(request_id, held)
+        self._account_retired()
 
     def _cached(self, held: HeldRequest) -> int:
         return self.world.ledger.clients[held.key].cached
 
-    def _account_retired(self, *, reported_too: bool) -> None:
-        """Requests that ended: the unreported ones (expired, aborted) the engine's abort
-        path fails; the reported ones must have been in this step's output."""
+    def _account_retired(self) -> None:
+        """Every D request that ended must have been reported (received, failed or
+        released) in the output of the step that took its report."""
         ledger = self.world.ledger
         retired, self.retired = self.retired, []
-        for request_id, state, unreported in retired:
-            if not (unreported or reported_too):
-                self.retired.append((request_id, state, unreported))
-                continue
-            held = self.requests.pop(request_id, None)
-            if held is None:
-                continue
-            if unreported:
-                # The engine's request-level abort path fails what the watchdog dropped.
-                ledger.d_outcome(request_id, state)
-                self._quarantine(request_id, held)
-            else:
+        for request_id, state in retired:
+            if request_id in self.requests:
                 ledger.violation(f"D request {request_id!r} ended {state} unreported")
-                self.requests[request_id] = held
 
     def _quarantine(self, request_id: str, held: HeldRequest) -> None:
         until = self.world.clock.now + self.world.settings.quarantine_s

@@ -47,7 +47,8 @@ class Rogue:
             return False
         claimed, target, message = aimed
         if world.keyed and world.rng.random() < 0.5:
-            message = _WRONG_KEY.seal(claimed, message)
+            # The tag cannot verify under the cluster's key, whatever the nonce.
+            message = _WRONG_KEY.seal(claimed, message, nonce=bytes(16), sealed_at=world.clock.now)
         world.note(f"ROGUE {kind} as {claimed} to {target}")
         return world.network.inject_notif(claimed, target, message)
 

@@ -229,12 +229,14 @@ class _DecodeLoop(_Loop):
                 failed += 1
                 emit("failed", client=client, reason=reason)
                 self.memory.free(blocks)
-            for rid in self._given_up():
-                # The engine's request-level abort path (R-P10): the watchdog dropped it.
+            for rid, reason in output.released.items():
+                # Ended by the abort path below (R-P10), once no rank holds it.
                 client, blocks = self.client_of.pop(rid), self.blocks.pop(rid)
                 failed += 1
-                emit("failed", client=client, reason="registration watchdog expired")
+                emit("failed", client=client, reason=reason)
                 self.memory.free(blocks)
+            for rid in self._given_up():
+                side.abort(rid)  # the engine's request-level abort path: released next step
             if started == expected and not self.blocks:
                 break
             self.idle()
@@ -250,11 +252,10 @@ class _DecodeLoop(_Loop):
         }
 
     def _given_up(self) -> list[str]:
-        """Requests whose lifecycle ended without a receive being reported (expired)."""
+        """Requests the watchdog dropped: they wait for the engine's abort path."""
         from kvhandoff.machines.push.d_request import D_REQUEST
 
-        bus = self.side.scheduler.bus
-        return [rid for rid in self.blocks if bus.get(D_REQUEST, rid) is None]
+        return [str(i.key) for i in self.side.scheduler.bus.tagged(D_REQUEST, "given_up")]
 
     def _legs(self) -> queue.Queue[tuple[str, dict[str, Any]]]:
         from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg

@@ -5,11 +5,17 @@ One instance per role, as vLLM builds them: on the SCHEDULER role it owns a `Pus
 (one per engine), on the WORKER role it drives one `PushRank`. The two halves share no
 object: the scheduler's per-step `PushConnectorMeta` rides in `KVHandoffConnectorMetadata`
 and each rank's `PushWorkerOutput` in `KVHandoffWorkerMetadata`, both msgspec Structs.
+
+The connector keeps no request state of its own (issue 26): the scheduler role hands vLLM
+exactly what `PushScheduler` aggregated (its `finished_sending`, and as `finished_recving`
+every receive it reported received, failed or released, each once by its machine's final
+state), and the worker role passes its rank's output through, the failed receives' blocks
+as this step's load errors. The simulator and the model tests drive the same
+`PushScheduler` and `PushRank`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,32 +46,9 @@ from kvhandoff.integrations.vllm.records import (
     KVHandoffHandshakeMetadata,
     KVHandoffWorkerMetadata,
 )
-from kvhandoff.machines.push.d_request import D_REQUEST
 from kvhandoff.machines.push.meta import PushWorkerOutput
 from kvhandoff.machines.push.scheduler import LocalEngine, Mode, PushScheduler
-from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.clock import Clock
-from kvhandoff.machines.runtime.compiled import Instance
-from kvhandoff.machines.vllm.owed_report import (
-    VLLM_OWED_REPORT,
-    Direction,
-    EngineEndedDropping,
-    EngineEndedUnheld,
-    OwedReportCtx,
-    RanksDropped,
-    Reported,
-    TellEngine,
-    Told,
-)
-from kvhandoff.machines.vllm.rank_receive import (
-    VLLM_RANK_RECEIVE,
-    LoadErrorsOwed,
-    LoadErrorsTaken,
-    RankReceiveCtx,
-    ReceiveEnded,
-    ReceiveFailed,
-)
-from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.vllm_compat import VllmCompatFactors
 
@@ -164,20 +147,19 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.assembly: RankAssembly | None = None  # the worker's NIXL rank, once registered
         self.side_channel: SideChannelServer | None = None  # the scheduler's, once served
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Per-step hand-offs, not request state: the rank's outputs until vLLM takes the
+        # worker metadata, and the load errors of the step's output until vLLM asks.
         self._outputs: list[PushWorkerOutput] = []
+        self._load_errors: set[int] = set()
+        # Running totals as of the last stats call, and this interval's finished transfers
+        # as observations (counts, bytes, seconds: no request ids), until vLLM asks.
         self._stats_seen: dict[str, Any] = {}
-        self.times = stats.RequestTimes(stats.block_bytes(kv_cache_config))
-        # What this connector owes vLLM about each request is a machine on its own bus:
-        # `vllm.owed_report` on the scheduler role, `vllm.rank_receive` on a worker role.
-        self.owed = EventBus()
+        self._observed: stats.StatsData = {}
+        self._block_bytes = stats.block_bytes(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.owed.register(VLLM_OWED_REPORT)
             self.scheduler = PushScheduler(
                 self.push_role, self.engine, self.config, self.mode, now=clock()
             )
-            self.scheduler.bus.on_retire(self._on_push_retired)
-        else:
-            self.owed.register(VLLM_RANK_RECEIVE)
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -206,12 +188,9 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         if not raw or not raw.get("do_remote_prefill"):
             return
         block_ids: list[int] = list(blocks.get_unhashed_block_ids())
-        now = self.clock()
         # The scheduler only reads the params and takes vLLM's names as they are.
-        sched.update_state_after_alloc(request.request_id, block_ids, raw, now)
+        sched.update_state_after_alloc(request.request_id, block_ids, raw, self.clock())
         if block_ids:
-            self._owe(request.request_id, "recv", now)
-            self.times.begin(request.request_id, len(block_ids), now)
             # Asked once: a request vLLM reschedules (recompute after a failed load) is
             # computed locally, as vLLM's own connectors do.
             request.kv_transfer_params["do_remote_prefill"] = False
@@ -223,28 +202,22 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """P: lease the blocks of a prefill leg that finished normally (R-P03). D: a request
-        vLLM ends (abort, error) while it waits for P's push is aborted in kvhandoff, so the
-        ranks drop it (R-P10); vLLM keeps its blocks until the ranks report it."""
+        vLLM ends (abort, error) while it waits for P's push takes kvhandoff's abort path:
+        the ranks drop it and, once none holds it, it is reported in `finished_recving`,
+        which frees the blocks vLLM kept for it (R-P10)."""
         sched = self._sched()
         normally = request.status in _FINISHED_NORMALLY
         if self.push_role != "prefill":
-            if not normally and self.owed.has_tag(
-                VLLM_OWED_REPORT, request.request_id, "engine_waiting"
-            ):
-                self._end_receive(sched, request.request_id)
+            if not normally:
+                sched.abort(request.request_id, self.clock())
             return False, None
-        now = self.clock()
-        delay, params = sched.request_finished(
+        return sched.request_finished(
             request.request_id,
             block_ids,
             request.kv_transfer_params,
-            now,
+            self.clock(),
             finished_normally=normally,
         )
-        if delay:
-            self._owe(request.request_id, "send", now)
-            self.times.begin(request.request_id, len(block_ids), now)
-        return delay, params
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -256,90 +229,40 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             )
         return self.request_finished(request, block_ids[0])
 
-    def _owe(self, request_id: str, direction: Direction, now: float) -> None:
-        """vLLM now waits to hear about `request_id` once."""
-        self.owed.create(VLLM_OWED_REPORT, OwedReportCtx(request_id, direction), now)
-
-    def _end_receive(self, sched: PushScheduler, request_id: str) -> None:
-        """vLLM ended a request it holds in WAITING_FOR_REMOTE_KVS and keeps its blocks
-        until it sees the id in `finished_recving`. Abort it in kvhandoff: once every rank
-        has dropped it (or at once if no rank still holds it: its watchdog already ended
-        it) the connector tells vLLM, which frees the blocks. A receive the ranks are
-        still reporting (a pull READ in flight) reaches vLLM the usual way."""
-        now = self.clock()
-        sched.abort(request_id, now)
-        if sched.bus.has_tag(D_REQUEST, request_id, "ending"):
-            self.owed.dispatch(VLLM_OWED_REPORT, request_id, EngineEndedDropping(), now)
-        elif not sched.bus.has_tag(D_REQUEST, request_id, "awaiting_ranks"):
-            self.owed.dispatch(VLLM_OWED_REPORT, request_id, EngineEndedUnheld(), now)
-
-    def _on_push_retired(self, inst: Instance[Any]) -> None:
-        """A D request left kvhandoff's scheduler bus: if vLLM ended it, no rank holds it."""
-        if inst.machine.decl is D_REQUEST and self.owed.has_tag(
-            VLLM_OWED_REPORT, inst.key, "ending"
-        ):
-            self.owed.dispatch(VLLM_OWED_REPORT, inst.key, RanksDropped(), self._sched().bus.now)
-
     def update_connector_output(self, connector_output: Any) -> None:
-        """Feed every rank's output to the scheduler's machines (R-T02), and pass vLLM
-        each finished id once: vLLM 0.33 reads `finished_recving` / `finished_sending`
-        after this hook and asserts every id in them is a request it still holds, so a
-        late or repeated report is dropped here (counted in `dropped_reports`)."""
+        """Feed every rank's output to the scheduler's machines (R-T02) and hand vLLM what
+        they aggregated, in place of vLLM's own count of the ranks' reports: vLLM 0.33
+        asserts that every id it is told about is a request it still holds, and each id
+        here is reported once, by its machine's final state (received, failed, released,
+        or sent). A failed receive's load errors reached vLLM from the ranks in this same
+        output (vLLM reads them first); a late or repeated report is stale in the
+        scheduler and counted (`stale_reports`)."""
         meta = connector_output.kv_connector_worker_meta
         outputs = meta.outputs if isinstance(meta, KVHandoffWorkerMetadata) else ()
-        now = self.clock()
-        self._sched().update_connector_output(outputs, now)
-        recving = self._once(connector_output.finished_recving, "recv", now)
-        failed = set(connector_output.failed_recving or ()) & recving
-        self.times.end(received=recving - failed, failed=failed, now=now)
-        for _inst, effect in self.owed.drain_outbox():
-            if isinstance(effect, TellEngine) and self.owed.has_tag(
-                VLLM_OWED_REPORT, effect.request_id, "due"
-            ):
-                self.owed.dispatch(VLLM_OWED_REPORT, effect.request_id, Told(), now)
-                recving.add(effect.request_id)
-                self.times.end(forgotten=(effect.request_id,), now=now)
-        connector_output.finished_recving = recving
-        connector_output.finished_sending = self._once(
-            connector_output.finished_sending, "send", now
+        result = self._sched().update_connector_output(outputs, self.clock())
+        connector_output.finished_recving = (
+            result.finished_recving | result.failed_recving.keys() | result.released.keys()
         )
-        self.times.end(sent=connector_output.finished_sending, now=now)
-
-    def _once(self, reported: set[str] | None, direction: Direction, now: float) -> set[str]:
-        """The reported ids vLLM still waits for, each now told; the machine refuses the
-        rest (a second report, one after vLLM forgot the request), counted as dropped."""
-        passed: set[str] = set()
-        report = Reported(direction)
-        for request_id in reported or ():
-            try:
-                self.owed.dispatch(VLLM_OWED_REPORT, request_id, report, now)
-            except RemoteProtocolError:
-                continue
-            passed.add(request_id)
-        return passed
-
-    @property
-    def dropped_reports(self) -> int:
-        """Reports kept from vLLM: repeated, late, or of a request vLLM no longer holds."""
-        if self.scheduler is None:
-            return 0
-        return self.owed.counters(VLLM_OWED_REPORT).rejected
+        connector_output.finished_sending = result.finished_sending
+        stats.merge(self._observed, stats.transfers(result, self._block_bytes))
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     def get_kv_connector_stats(self) -> KVHandoffConnectorStats | None:
         """What moved since the last call (`stats.py`), None when nothing did. Scheduler:
-        the failures by cause the ranks reported (B-14), the stale or late reports
-        kvhandoff and this connector dropped, watchdog expiries, the interval's finished
-        transfers with their bytes and times. Worker: its rank's lease expiries and the
-        notifs it refused, by cause (S-06). vLLM adds the two up for its stat loggers."""
+        the failures by cause the ranks reported (B-14), the stale rank reports kvhandoff
+        ignored, watchdog expiries, the interval's finished transfers by outcome with their
+        bytes and times (as `PushScheduler`'s machines timed them). Worker: its rank's
+        lease expiries and the notifs it refused, by cause (S-06). vLLM adds the two up
+        for its stat loggers."""
         if self.scheduler is None:
             totals = {} if self.rank is None else stats.rank_totals(self.rank)
             data = stats.delta(totals, self._stats_seen)
         else:
-            totals = stats.scheduler_totals(self.scheduler, self.dropped_reports, self.side_channel)
-            data = stats.merge(stats.delta(totals, self._stats_seen), self.times.take())
+            totals = stats.scheduler_totals(self.scheduler, self.side_channel)
+            data = stats.merge(stats.delta(totals, self._stats_seen), self._observed)
+            self._observed = {}
         return None if stats.is_empty(data) else KVHandoffConnectorStats(data=data)
 
     @classmethod
@@ -416,19 +339,8 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         """Hand this step's registrations, finished blocks and heartbeats to the rank."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVHandoffConnectorMetadata)
-        push = meta.push
-        now = self.clock()
-        for request_id, registration in push.push_registrations.items():
-            self._receive(request_id, registration.block_ids, now)
-        for request_id, read in push.pull_reads.items():
-            self._receive(request_id, read.block_ids, now)
         if self.rank is not None:
             self.rank.start_load_kv(meta.push)
-
-    def _receive(self, request_id: str, block_ids: Sequence[int], now: float) -> None:
-        if self.owed.get(VLLM_RANK_RECEIVE, request_id) is None:
-            ctx = RankReceiveCtx(request_id, tuple(block_ids))
-            self.owed.create(VLLM_RANK_RECEIVE, ctx, now)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # push mode: P writes whole requests; D never loads per layer
@@ -451,40 +363,25 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
         A receive the rank failed is finished too (vLLM then ends or recomputes the
         request, per its `kv_load_failure_policy`) and failed: its id in `failed_recving`,
-        its blocks in `get_block_ids_with_load_errors` (R-P12). A receive the scheduler
-        ended (abort, watchdog) and the rank dropped is not reported here: the scheduler
-        half tells vLLM once every rank dropped it (R-T02); a watchdog-ended request keeps
-        waiting until vLLM's abort path ends it (R-P10)."""
+        its blocks in this step's `get_block_ids_with_load_errors` (R-P12). A receive the
+        scheduler ended (abort, watchdog) and the rank dropped is not reported here: the
+        scheduler half tells vLLM once every rank let go of it (R-T02, R-P10)."""
         results = KVConnectorTransferResults()
         if self.rank is None:
             return results
         output = self.rank.get_finished()
         self._outputs.append(output)
         failed = set(output.failed_recving)
-        now = self.clock()
-        self._end_receives(failed, ReceiveFailed(), now)
-        self._end_receives(failed | set(output.finished_recving), ReceiveEnded(), now)
-        self._end_receives(output.ended, ReceiveEnded(), now)
+        self._load_errors = set(output.invalid_block_ids)
         results.finished_sending = set(output.finished_sending)
         results.finished_recving = set(output.finished_recving) | failed
         results.failed_recving = failed
         return results
 
-    def _end_receives(
-        self, request_ids: Iterable[str], event: ReceiveEnded | ReceiveFailed, now: float
-    ) -> None:
-        for request_id in request_ids:
-            if self.owed.has_tag(VLLM_RANK_RECEIVE, request_id, "receiving"):
-                self.owed.dispatch(VLLM_RANK_RECEIVE, request_id, event, now)
-
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The blocks of every receive that failed since the last call, each once."""
-        errors: set[int] = set()
-        now = self.clock()
-        for _inst, effect in self.owed.drain_outbox():
-            if isinstance(effect, LoadErrorsOwed):
-                errors.update(effect.block_ids)
-                self.owed.dispatch(VLLM_RANK_RECEIVE, effect.request_id, LoadErrorsTaken(), now)
+        """The blocks of the receives this step's output failed (vLLM asks right after
+        `get_transfer_results`)."""
+        errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_connector_worker_meta(self) -> KVHandoffWorkerMetadata | None:

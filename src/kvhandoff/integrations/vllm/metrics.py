@@ -11,12 +11,12 @@ per-engine labels (`model_name`, `engine`) and, where the name says "by", one mo
 
 KV connector (`KVHandoffConnector`):
 
-- `vllm:kvhandoff_transfers` (counter by `outcome`): requests done, `sent` on P, `received`
-  or `failed` on D;
+- `vllm:kvhandoff_transfers` (counter by `outcome`): requests done, `sent` on P, `received`,
+  `failed` or `released` (vLLM ended it before its KV arrived) on D;
 - `vllm:kvhandoff_failures` (counter by `cause`): failures by cause (`FAILURE_CAUSES`);
 - `vllm:kvhandoff_rejected_inputs` (counter by `cause`): peer inputs refused;
-- `vllm:kvhandoff_dropped_reports` (counter by `kind`): rank reports kvhandoff ignored
-  (`stale`) or kept from vLLM (`late`);
+- `vllm:kvhandoff_dropped_reports` (counter by `kind`): rank reports kvhandoff's scheduler
+  ignored (`stale`: late, repeated, or of a request that ended; vLLM never sees them);
 - `vllm:kvhandoff_lease_expiries`, `vllm:kvhandoff_watchdog_expiries` (counters);
 - `vllm:kvhandoff_bytes_transferred` (histogram): KV bytes per finished request;
 - `vllm:kvhandoff_finish_to_receive_seconds` (histogram): P, prefill end to D's receive;
@@ -184,7 +184,8 @@ class KVHandoffPromMetrics(KVConnectorPromMetrics):
         make = _Registry(metric_types, labelnames, per_engine_labelvalues)
         self.transfers = make.labelled(
             "vllm:kvhandoff_transfers",
-            "kvhandoff KV transfers done, by outcome (sent on P; received or failed on D).",
+            "kvhandoff KV transfers done, by outcome (sent on P; received, failed or"
+            " released on D).",
             "outcome",
         )
         self.failures = make.labelled(
@@ -197,7 +198,7 @@ class KVHandoffPromMetrics(KVConnectorPromMetrics):
         )
         self.dropped = make.labelled(
             "vllm:kvhandoff_dropped_reports",
-            "Rank reports kvhandoff ignored (stale) or kept from vLLM (late), by kind.",
+            "Rank reports kvhandoff ignored (stale: late, repeated or ended), by kind.",
             "kind",
         )
         self.lease_expiries = make.counter(
@@ -233,7 +234,6 @@ class KVHandoffPromMetrics(KVConnectorPromMetrics):
         for cause, count in _counts(data, "rejected_inputs").items():
             self.rejected.inc(engine_idx, str(cause), int(count))
         self.dropped.inc(engine_idx, "stale", int(data.get("stale_reports", 0) or 0))
-        self.dropped.inc(engine_idx, "late", int(data.get("dropped_reports", 0) or 0))
         _inc(self.lease_expiries, engine_idx, data.get("lease_expiries"))
         _inc(self.watchdog_expiries, engine_idx, data.get("watchdog_expiries"))
         for metric, name in (

@@ -8,9 +8,11 @@ concatenated; a histogram's samples).
 
 The keys (every one optional in a payload):
 
-- each cause of `FAILURE_CAUSES`, `stale_reports`, `dropped_reports`: counts (B-14);
+- each cause of `FAILURE_CAUSES`, `stale_reports`: counts (B-14);
 - `transfers`: requests by outcome, `sent` (P: every rank reported the blocks sent; a
-  lease that expired ends this way too), `received`, `failed` (D);
+  lease that expired ends this way too), `received`, `failed` (a rank failed it; vLLM may
+  have ended the request for it), `released` (D: vLLM ended the request before its KV
+  arrived, and no rank holds it any more);
 - `rejected_inputs`: peer inputs refused, by cause (S-06; `cause` keeps label values few);
 - `lease_expiries` (P's ranks), `watchdog_expiries` (D's scheduler): counts;
 - `bytes_transferred`: KV bytes of each finished request's blocks in this engine;
@@ -19,6 +21,10 @@ The keys (every one optional in a payload):
 - `receive_wait_s`: D, from the decode leg's block allocation to every rank's receive
   (push: D registers while P still prefills, so P's prefill is inside it).
 
+Each transfer is timed by its own machine in kvhandoff's `PushScheduler` (the one copy of
+request state, issue 26): the machine keeps the `now` it was created at and reports the
+seconds at the step it ends (`transfers`); the connector keeps no request of its own.
+
 The encoder-cache connector's payload (`ec_*` keys) has the same shape.
 """
 
@@ -26,13 +32,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvhandoff.adapters.ec_side import ECSide
     from kvhandoff.adapters.push_rank import PushRank
     from kvhandoff.adapters.zmq.side_channel import SideChannelServer
+    from kvhandoff.machines.push.meta import PushConnectorOutput
     from kvhandoff.machines.push.scheduler import PushScheduler
 
 StatsData = dict[str, Any]
@@ -40,7 +47,7 @@ StatsData = dict[str, Any]
 log = logging.getLogger("kvhandoff.integrations.vllm.stats")
 
 HISTOGRAMS = ("bytes_transferred", "finish_to_receive_s", "receive_wait_s")
-OUTCOMES = ("sent", "received", "failed")
+OUTCOMES = ("sent", "received", "failed", "released")
 
 
 def merge(into: StatsData, other: Mapping[str, Any]) -> StatsData:
@@ -137,69 +144,46 @@ def add_reasons(into: dict[str, int], more: Mapping[str, int]) -> None:
         into[label] = into.get(label, 0) + int(count)
 
 
-class RequestTimes:
-    """The scheduler side's open transfers: when each began and how many blocks it has;
-    observations wait in `pending` until the next `take`."""
-
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self._open: dict[str, tuple[float, int]] = {}
-        self.pending: StatsData = {}
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def begin(self, request_id: str, num_blocks: int, now: float) -> None:
-        self._open[request_id] = (now, num_blocks)
-
-    def end(
-        self,
-        *,
-        sent: Iterable[str] = (),
-        received: Iterable[str] = (),
-        failed: Iterable[str] = (),
-        forgotten: Iterable[str] = (),
-        now: float,
-    ) -> None:
-        """Every rank is done with these requests (the ids vLLM is told this step)."""
-        for outcome, histogram, ids in (
-            ("sent", "finish_to_receive_s", sent),
-            ("received", "receive_wait_s", received),
-        ):
-            for request_id in ids:
-                began = self._open.pop(request_id, None)
-                if began is None:
-                    continue
-                start, blocks = began
-                merge(self.pending, {"transfers": {outcome: 1}})
+def transfers(result: PushConnectorOutput, block_bytes: int) -> StatsData:
+    """One step's finished requests as observations, from what the scheduler's machines
+    reported (`PushScheduler.update_connector_output`): each by outcome (a receive the
+    engine ended after a rank failed it is `failed`, not `released`), each sent or
+    received one with its bytes (its blocks times `block_bytes`) and its time, as its
+    machine measured it from the `now` it began at (`PushConnectorOutput.timings`)."""
+    out: StatsData = {}
+    outcomes = {
+        "sent": len(result.finished_sending),
+        "received": len(result.finished_recving),
+        "failed": len(result.failed_recving) + len(result.failed_released),
+        "released": len(result.released) - len(result.failed_released),
+    }
+    if any(outcomes.values()):
+        out["transfers"] = {name: n for name, n in outcomes.items() if n}
+    for histogram, ids in (
+        ("finish_to_receive_s", result.finished_sending),
+        ("receive_wait_s", result.finished_recving),
+    ):
+        for request_id in sorted(ids):
+            timing = result.timings.get(request_id)
+            if timing is not None:
                 merge(
-                    self.pending,
+                    out,
                     {
-                        histogram: [max(0.0, now - start)],
-                        "bytes_transferred": [blocks * self.block_bytes],
+                        histogram: [timing.seconds],
+                        "bytes_transferred": [timing.num_blocks * block_bytes],
                     },
                 )
-        for request_id in failed:
-            if self._open.pop(request_id, None) is not None:
-                merge(self.pending, {"transfers": {"failed": 1}})
-        for request_id in forgotten:
-            self._open.pop(request_id, None)
-
-    def take(self) -> StatsData:
-        out, self.pending = self.pending, {}
-        return out
+    return out
 
 
 # -- collectors: running totals of kvhandoff's objects, as one interval's payload -----------
 
 
-def scheduler_totals(
-    scheduler: PushScheduler, dropped_reports: int, side_channel: SideChannelServer | None
-) -> StatsData:
-    """A KV scheduler's running totals: failures by cause and stale reports (what the
-    ranks reported, summed), the reports the connector kept from vLLM, watchdog expiries,
-    and the side channel's refused requests by cause."""
-    totals: StatsData = {**scheduler.stats(), "dropped_reports": dropped_reports}
+def scheduler_totals(scheduler: PushScheduler, side_channel: SideChannelServer | None) -> StatsData:
+    """A KV scheduler's running totals: failures by cause (what the ranks reported,
+    summed), the stale rank reports it ignored (late, repeated, or of a request that
+    ended), watchdog expiries, and the side channel's refused requests by cause."""
+    totals: StatsData = dict(scheduler.stats())
     totals["watchdog_expiries"] = int(scheduler.bus.metrics.get("push.d.watchdog_expired", 0))
     if side_channel is not None:
         rejected: dict[str, int] = {}
