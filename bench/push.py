@@ -301,11 +301,14 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": at(0.50), "p99": at(0.99), "n": len(ordered)}
 
 
-def config_for(device: Device, quick: bool, transport: str = "auto") -> PushBenchConfig:
+def config_for(
+    device: Device, quick: bool, transport: str = "auto", requests: int | None = None
+) -> PushBenchConfig:
     """The CLI's configuration. On CUDA, NIXL's UCX scatter-gather WRITE is switched on: it
     posts a request's many block descriptors as one batched copy (see bench/RESULTS.md);
     `transport="auto"` picks the CUDA IPC wrapper on CUDA (falling back to NIXL) and NIXL
-    on the CPU."""
+    on the CPU. `requests`: the rep's requests (its bytes are shared among them: 8 gives
+    8 x 128 MiB of the default 1 GiB)."""
     path: TransportPath = "nixl"
     if transport == "cuda_ipc" or (transport == "auto" and device == "cuda"):
         path = "cuda_ipc"
@@ -316,4 +319,5 @@ def config_for(device: Device, quick: bool, transport: str = "auto") -> PushBenc
         ucx_sgl=device == "cuda",
         transport=path,
         raw_per_request=path == "nixl",
+        requests=base.requests if requests is None else requests,
     )

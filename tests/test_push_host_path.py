@@ -58,13 +58,13 @@ def test_B_12_the_transport_progresses_first_and_between_chunks_of_reports(
     monkeypatch: object,
 ) -> None:
     p, d, tp, applied = _pair()
-    on_report = PushWorker._on_report
+    on_reports = PushWorker._on_reports
 
-    def counting(self: PushWorker, item: object, now: float) -> None:
-        applied[0] += 1
-        on_report(self, item, now)  # type: ignore[arg-type]
+    def counting(self: PushWorker, run: list[object], now: float) -> None:
+        applied[0] += len(run)
+        on_reports(self, run, now)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(PushWorker, "_on_report", counting)  # type: ignore[attr-defined]
+    monkeypatch.setattr(PushWorker, "_on_reports", counting)  # type: ignore[attr-defined]
     prefill = PrefillCoordinates("P", "127.0.0.1", 5600, 1)
     for q in range(REQUESTS):
         leg = decode_leg({"request_id": f"cmpl-r{q}-0"}, prefill)

@@ -286,19 +286,26 @@ class PushScheduler:
         self.step += 1
         meta = PushConnectorMeta(step=self.step)
         d_kind, p_kind = (D_REQUEST, P_REQUEST)
+        d_drained: list[Instance[DRequestCtx]] = []
+        p_drained: list[Instance[PRequestCtx]] = []
         for request_id in self._to_drain:
             d = bus.get(d_kind, request_id)
             if d is not None and d.has("drainable"):
-                bus.dispatch(d_kind, request_id, _DRAINED, now)
-                if d.ctx.registration is not None:
-                    meta.push_registrations[request_id] = d.ctx.registration
-                elif d.ctx.source is not None:
-                    meta.pull_reads[request_id] = PullRead(d.ctx.source, d.ctx.block_ids)
+                d_drained.append(d)
                 continue
             p = bus.get(p_kind, request_id)
             if p is not None and p.has("drainable"):
-                bus.dispatch(p_kind, request_id, _DRAINED, now)
-                meta.push_finished_blocks[request_id] = p.ctx.block_ids
+                p_drained.append(p)
+        # One batch per kind: the step hands every drained request over at once.
+        bus.dispatch_many(d_kind, [d.key for d in d_drained], _DRAINED, now)
+        bus.dispatch_many(p_kind, [p.key for p in p_drained], _DRAINED, now)
+        for d in d_drained:
+            if d.ctx.registration is not None:
+                meta.push_registrations[d.ctx.key] = d.ctx.registration
+            elif d.ctx.source is not None:
+                meta.pull_reads[d.ctx.key] = PullRead(d.ctx.source, d.ctx.block_ids)
+        for p in p_drained:
+            meta.push_finished_blocks[p.ctx.key] = p.ctx.block_ids
         self._to_drain.clear()
         if self.role == "decode":
             meta.ended = tuple(str(inst.key) for inst in bus.tagged(d_kind, "ending"))
@@ -367,12 +374,15 @@ class PushScheduler:
             kind.check_tag(tag)
         wanted = frozenset(tags)
         bus = self.bus
+        keys = []
         for request_id in request_ids:
             inst = bus.get(kind, request_id)
             if inst is not None and not wanted.isdisjoint(inst.node.tags):
-                bus.dispatch(kind, request_id, event, now)
+                keys.append(request_id)
             else:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report
+        if keys:
+            bus.dispatch_many(kind, keys, event, now)
 
     def has_pending_push_work(self) -> bool:
         """True while any push state is in flight on this side (R-P13); a request the

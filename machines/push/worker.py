@@ -74,6 +74,9 @@ WriterItem = ForwardToMain | ReportToMain
 REPORTS_BETWEEN = 8
 """Writer reports applied between two calls of `take_writer_items`'s `between`."""
 
+# Field-less events, shared by every instance of a batch (events are immutable).
+_ENQUEUED, _STAGED, _POLL = Enqueued(), Staged(), Poll()
+
 RANK_KINDS: tuple[Declaration[Any], ...] = (D_REGISTRATION, P_LEASE, D_READ, PULL_P_LEASE)
 """Every lifecycle on a rank's main-thread bus."""
 
@@ -147,6 +150,7 @@ class PushWorker:
         bus = self.bus
         bus.advance(now)  # a request that ended since the meta was built is not handed over
         self.step = max(self.step, meta.step)
+        enqueued: list[str] = []
         for request_id, registration in meta.push_registrations.items():
             if bus.get(D_REGISTRATION, request_id) is None:
                 reg = _for_rank(registration, self.tp_rank)
@@ -159,12 +163,18 @@ class PushWorker:
                     )
                 )
                 bus.create(D_REGISTRATION, DRegistrationCtx(request_id, reg, writers), now)
-                bus.dispatch(D_REGISTRATION, request_id, Enqueued(), now)
+                enqueued.append(request_id)
+        if enqueued:
+            bus.dispatch_many(D_REGISTRATION, enqueued, _ENQUEUED, now)
+        reads: list[str] = []
         for request_id, read in meta.pull_reads.items():
             if bus.get(D_READ, request_id) is None:
                 bus.create(D_READ, DReadCtx(request_id, read.source, read.block_ids), now)
-                bus.dispatch(D_READ, request_id, Enqueued(), now)
+                reads.append(request_id)
+        if reads:
+            bus.dispatch_many(D_READ, reads, _ENQUEUED, now)
         extension = self.config.lease_extension
+        staged: list[str] = []
         for request_id, blocks in meta.push_finished_blocks.items():
             if self.mode == "pull":
                 if bus.get(PULL_P_LEASE, request_id) is None:
@@ -172,7 +182,9 @@ class PushWorker:
                     bus.create(PULL_P_LEASE, ctx, now)
             elif bus.get(P_LEASE, request_id) is None:
                 bus.create(P_LEASE, PLeaseCtx(request_id, blocks, lease_extension=extension), now)
-                bus.dispatch(P_LEASE, request_id, Staged(), now)
+                staged.append(request_id)
+        if staged:
+            bus.dispatch_many(P_LEASE, staged, _STAGED, now)
         for request_id in meta.ended:
             if bus.get(self.d_kind, request_id) is not None:
                 bus.dispatch(self.d_kind, request_id, End(), now)
@@ -197,10 +209,13 @@ class PushWorker:
         bus = self.bus
         bus.advance(now)
         kind = self.polled_kind
-        for inst in bus.tagged(kind, "pollable"):
-            if settled is not None and inst.has("polled") and not settled(str(inst.key)):
-                continue
-            bus.dispatch(kind, inst.key, Poll(), now)
+        due = [
+            inst.key
+            for inst in bus.tagged(kind, "pollable")
+            if settled is None or not inst.has("polled") or settled(str(inst.key))
+        ]
+        if due:
+            bus.dispatch_many(kind, due, _POLL, now)
         bus.execute(WakeWriter())
         output = self._output
         output.step = self.step
@@ -239,15 +254,24 @@ class PushWorker:
         runs after every `REPORTS_BETWEEN` reports: a long batch of reports does not hold
         back transfers the transport completes itself."""
         notifs: list[ForwardToMain] = []
+        run: list[ReportToMain] = []  # equal events in a row: one batch
         taken = 0
         for item in items:
-            if isinstance(item, ReportToMain):
-                self._on_report(item, now)
-                taken += 1
-                if between is not None and taken % REPORTS_BETWEEN == 0:
-                    between()
-            else:
+            if isinstance(item, ForwardToMain):
                 notifs.append(item)
+                continue
+            if run and (item.event != run[0].event or item.peer != run[0].peer):
+                self._on_reports(run, now)
+                run = []
+            run.append(item)
+            taken += 1
+            if taken % REPORTS_BETWEEN == 0:
+                self._on_reports(run, now)
+                run = []
+                if between is not None:
+                    between()
+        if run:
+            self._on_reports(run, now)
         if not notifs:
             return
         bus = self.bus
@@ -265,14 +289,18 @@ class PushWorker:
         self.rejections.reject(peer, exc, now)
         self._on_failure(None, CountFailure("rejected"))
 
-    def _on_report(self, item: ReportToMain, now: float) -> None:
+    def _on_reports(self, run: list[ReportToMain], now: float) -> None:
+        """One writer event for a run of requests, as one batch (equal events, one peer);
+        a request that ended meanwhile (reaped, released, dropped) has nothing left to be
+        told, and a peer event (`Matched`) that a state refuses is the peer's rejection."""
         kind = self.p_kind if self.role == "prefill" else self.d_kind
-        if self.bus.get(kind, item.request_id) is None:
-            return  # ended meanwhile (reaped, released, dropped): nothing left to tell
-        try:
-            self.bus.dispatch(kind, item.request_id, item.event, self.bus.now)
-        except RemoteProtocolError as exc:  # a peer event (`Matched`) the state refuses
-            self.reject(item.peer, exc, now)
+        bus = self.bus
+        live = [item.request_id for item in run if bus.get(kind, item.request_id) is not None]
+        if live:
+            first = run[0]
+            for _key, exc in bus.dispatch_many(kind, live, first.event, bus.now):
+                if isinstance(exc, RemoteProtocolError):
+                    self.reject(first.peer, exc, now)
 
     def _on_notif(self, item: ForwardToMain, now: float) -> None:
         notif, peer = item.notif, item.peer
@@ -303,12 +331,15 @@ class PushWorker:
         bus = self.bus
         beat = Heartbeat(engine, sender)
         unknown = []
+        beating = []
         for request_id in request_ids:
             inst = bus.get(kind, request_id) or bus.by_alias(kind, get_base_request_id(request_id))
             if inst is None:
                 unknown.append(request_id)
             else:
-                bus.dispatch(kind, inst.key, beat, now)
+                beating.append(inst.key)
+        refused = bus.dispatch_many(kind, beating, beat, now) if beating else []
+        unknown.extend(str(key) for key, _exc in refused)
         return unknown
 
     # -- reports to the scheduler --------------------------------------------------------

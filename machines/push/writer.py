@@ -142,7 +142,8 @@ class PushWriter:
         self.pending_blocks = 0
         self.unknown_count = 0  # held for agents of no connected engine
         self.unknown_blocks = 0
-        self._awaiting: set[str] = set()  # slots whose blocks wait for PUSH_REGs (R-P07)
+        # Slots whose blocks wait for PUSH_REGs (R-P07): the tag's members, kept by the bus.
+        self._awaiting = self.bus.machine(MATCH).watch("awaiting_registration")
         self._heard: set[str] = set()  # engines heard from since the last `advance` (B-11)
         self._effects: list[Effect] = []
         bus = self.bus
@@ -223,10 +224,8 @@ class PushWriter:
         """The push of `p_request_id` was posted or failed to post."""
         base = get_base_request_id(p_request_id)
         bus = self.bus
-        inst = bus.get(MATCH, base)
-        if inst is not None:
+        if bus.get(MATCH, base) is not None:
             bus.dispatch(MATCH, base, Issued(p_request_id), bus.now)
-            self._note_awaiting(base, inst)
             self._update_self_poll()
 
     def retry(self, op: ReplayPush | ReplayRegistration, now: float) -> None:
@@ -359,19 +358,10 @@ class PushWriter:
     ) -> None:
         base = get_base_request_id(request_id)
         bus = self.bus
-        inst = bus.get(MATCH, base)
-        if inst is None:
+        if bus.get(MATCH, base) is None:
             ctx = MatchCtx(base, p_tp=self.config.tp_size, p_tp_rank=self.tp_rank)
-            inst = bus.create(MATCH, ctx, bus.now)
+            bus.create(MATCH, ctx, bus.now)
         bus.dispatch(MATCH, base, event, bus.now)
-        self._note_awaiting(base, inst)
-
-    def _note_awaiting(self, base: str, inst: Instance[MatchCtx]) -> None:
-        """Keep `_awaiting` in step with the slot's tag after an event (R-P07)."""
-        if inst.has("awaiting_registration"):  # never a final state's tag: live
-            self._awaiting.add(base)
-        else:
-            self._awaiting.discard(base)
 
     def _tell_write_error(self, command: ReportWriteError) -> None:
         inst = self.bus.get(MATCH, get_base_request_id(command.request_id))

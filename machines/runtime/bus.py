@@ -1,31 +1,29 @@
 """The event bus: routes typed events to instances, runs transitions, timers and effects.
 
 The bus owns every live instance of the kinds registered on it, keyed by (declaration,
-key); the declaration object is the kind's handle, so `bus.get(D_REGISTRATION, key)`
-returns an `Instance[DRegistrationCtx]`. `dispatch(kind, key, event, now)` is the hot
-path: fire what is due at `now`, one index lookup, one table lookup by event class, the
-state change, the timer arm or cancel, and the action if the route has one.
+key); the declaration object is the kind's handle (`bus.get(D_REQUEST, key)` returns an
+`Instance[DRequestCtx]`). `dispatch(kind, key, event, now)` is the hot path: fire what is
+due at `now`, one index lookup, one table lookup by event class, the state change, the
+timer arm or cancel, and the action if the route has one; `dispatch_many` does the same
+for one event over a batch of keys (a writer pass, an engine step).
 
 Time is an argument (aioquic's `handle_timer(now)`): the bus never reads a clock. Every
-entry point that changes state takes `now`, and before it applies anything the bus
-delivers every timeout due at `now`, in deadline order. `now` never goes backwards: an
-earlier value than one already seen is taken as the latest seen. `next_deadline()` says
-when the caller should come back.
+entry point that changes state takes `now`; before it applies anything the bus delivers
+every timeout due at `now`, in deadline order. `now` never goes backwards (an earlier
+value is taken as the latest seen); `next_deadline()` says when to come back.
 
 Delivery is run-to-completion: an event raised for an instance that is still handling
 one is queued on that instance and delivered after it; an error while draining one
 instance's queue is counted and reported, never thrown into another instance's handling.
-
 Events from peers (`PeerEvent`) that the current state does not declare, or that name no
 live instance, raise `RemoteProtocolError` and change nothing; local misuse raises
 `LocalProtocolError`. Code outside the machines asks declared state tags (`has_tag`,
 `tagged`), never state names.
 
 Timers live in one FIFO per timeout duration (`timers.py`): arming is an append, and
-`fire_due` merges the heads of the few queues in deadline order.
-
-The bus is single-threaded: one thread owns it; other threads hand work over through
-the inboxes of the adapters.
+`fire_due` merges the heads of the few queues in deadline order. The bus is
+single-threaded: one thread owns it; other threads hand work over through the inboxes of
+the adapters.
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Route
+from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, KindCounters, Route
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Emit, ExtendDeadline, Metric
 from kvhandoff.machines.runtime.events import Event
@@ -53,19 +50,6 @@ E = TypeVar("E", bound=Effect)
 EffectHandler = Callable[[Any, Any], None]
 """`handler(instance or None, effect)`: None when an API call, not an instance, emitted it."""
 ErrorHook = Callable[[Instance[Any], Event, BaseException], None]
-
-
-@dataclass(frozen=True, slots=True)
-class KindCounters:
-    """What one kind's instances did: events ignored by declaration, peer events rejected,
-    local errors, and instances created, retired and live."""
-
-    ignored: int
-    rejected: int
-    errors: int
-    created: int
-    retired: int
-    live: int
 
 
 class EventBus(TimerQueues):
@@ -233,11 +217,45 @@ class EventBus(TimerQueues):
             else:
                 self._deliver(inst, event)
             return
-        # The plain route: no guard, no action, not into a final state, no timeout carried
-        # over (it cancels the old timer and arms the new state's own). Kept flat on
-        # purpose; `_step` is the general form of the same change.
-        # A timer entry is live while its instance still holds it: replacing `inst.timer`
-        # cancels the old one.
+        self._take_plain(inst, route)
+
+    def dispatch_many(
+        self, kind: Declaration[Any], keys: Iterable[Hashable], event: Event, now: float
+    ) -> list[tuple[Hashable, KvHandoffError]]:
+        """Deliver one `event` to (kind, key) for every key, in order: what `dispatch` does
+        for each, with one time step and one index lookup for the whole batch (a writer
+        pass, an engine step). A key with no live instance, or whose state refuses a
+        peer's event, is returned with its error and does not stop the batch; any other
+        error raises, as `dispatch`'s would."""
+        if now > self._now:
+            self.advance(now)
+        index = self._index.get(kind)
+        if index is None:
+            raise self._unknown(kind, None, event)
+        refused: list[tuple[Hashable, KvHandoffError]] = []
+        cls = event.__class__
+        for key in keys:
+            inst = index.get(key)
+            if inst is None:
+                refused.append((key, self._unknown(kind, key, event)))
+                continue
+            route = inst.node.fast.get(cls)
+            if inst.busy:
+                self._enqueue(inst, event)
+            elif route is None:
+                try:
+                    self._deliver(inst, event)
+                except RemoteProtocolError as exc:
+                    refused.append((key, exc))
+            else:
+                self._take_plain(inst, route)
+        return refused
+
+    def _take_plain(self, inst: Instance[Any], route: Route) -> None:
+        """A plain route: no guard, no action, not into a final state, no timeout carried
+        over; it cancels the old timer (replacing `inst.timer` does: an entry is live
+        while its instance holds it) and arms the new state's own. `_step` is the
+        general form of the same change."""
         route.taken = True
         inst.node = route.dest  # type: ignore[assignment]  # plain routes have a dest
         queue = route.queue
@@ -354,17 +372,8 @@ class EventBus(TimerQueues):
                 self._report(inst, event, exc)
         if queue and inst.node.final:
             for event in list(queue):
-                self._report(inst, event, self._late(inst, event))
+                self._report(inst, event, inst.machine.late_error(inst, event))
             queue.clear()
-
-    def _late(self, inst: Instance[Any], event: Event) -> KvHandoffError:
-        if event.__class__ in inst.node.ignored:
-            inst.machine.ignored_count += 1
-        message = (
-            f"machine {inst.machine.name!r}: event {event.trigger!r} arrived after instance "
-            f"{inst.key!r} finished in {inst.node.name!r}"
-        )
-        return RemoteProtocolError(message) if event.from_peer else LocalProtocolError(message)
 
     def _execute(self, inst: Instance[Any], effects: Iterable[Effect]) -> None:
         handlers = self._handlers
@@ -389,15 +398,11 @@ class EventBus(TimerQueues):
         self.on_error(inst, event, exc)
 
     def _unknown(self, kind: Declaration[Any], key: Hashable, event: Event) -> KvHandoffError:
-        if kind not in self._machines:
-            return LocalProtocolError(
-                f"machine {kind.name!r} is not registered (event {event.trigger!r})"
-            )
-        message = f"machine {kind.name!r}: no live instance {key!r} (event {event.trigger!r})"
-        if event.from_peer:
-            self._machines[kind].rejected_count += 1
-            return RemoteProtocolError(message)
-        return LocalProtocolError(message)
+        machine = self._machines.get(kind)
+        if machine is None:
+            what = f"machine {kind.name!r} is not registered"
+            return LocalProtocolError(f"{what} (event {event.trigger!r})")
+        return machine.unknown_error(key, event)
 
     # -- built-in effects ----------------------------------------------------------------
 
@@ -476,15 +481,7 @@ class EventBus(TimerQueues):
             machine.set_fast_path(sink is None)
 
     def counters(self, kind: Declaration[Any]) -> KindCounters:
-        m = self.machine(kind)
-        return KindCounters(
-            ignored=m.ignored_count,
-            rejected=m.rejected_count,
-            errors=m.error_count,
-            created=m.created,
-            retired=m.retired,
-            live=len(m.index),
-        )
+        return self.machine(kind).counters()
 
     def kinds(self) -> list[str]:
         return sorted(self._by_name)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout, TransitionDecl
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.events import Event
-from kvhandoff.protocol.errors import LocalProtocolError
+from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 
 C = TypeVar("C")
 
@@ -127,6 +128,19 @@ class Route:
                 else:
                     return route
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class KindCounters:
+    """What one kind's instances did: events ignored by declaration, peer events rejected,
+    local errors, and instances created, retired and live."""
+
+    ignored: int
+    rejected: int
+    errors: int
+    created: int
+    retired: int
+    live: int
 
 
 class Instance(Generic[C]):
@@ -299,6 +313,34 @@ class CompiledMachine(Generic[C]):
                 route.queue, route.seconds = route.dest.timer_queue, route.dest.timeout_seconds
 
     # -- counters ----------------------------------------------------------------------
+
+    def late_error(self, inst: Instance[C], event: Event) -> KvHandoffError:
+        """The error for `event` reaching `inst` after it finished (counted if ignored)."""
+        if event.__class__ in inst.node.ignored:
+            self.ignored_count += 1
+        message = (
+            f"machine {self.name!r}: event {event.trigger!r} arrived after instance "
+            f"{inst.key!r} finished in {inst.node.name!r}"
+        )
+        return RemoteProtocolError(message) if event.from_peer else LocalProtocolError(message)
+
+    def unknown_error(self, key: Hashable, event: Event) -> KvHandoffError:
+        """The error for `event` naming no live instance (a peer's is counted rejected)."""
+        message = f"machine {self.name!r}: no live instance {key!r} (event {event.trigger!r})"
+        if event.from_peer:
+            self.rejected_count += 1
+            return RemoteProtocolError(message)
+        return LocalProtocolError(message)
+
+    def counters(self) -> KindCounters:
+        return KindCounters(
+            ignored=self.ignored_count,
+            rejected=self.rejected_count,
+            errors=self.error_count,
+            created=self.created,
+            retired=self.retired,
+            live=len(self.index),
+        )
 
     def taken_edges(self) -> frozenset[tuple[str, str, str]]:
         return frozenset(route.edge for route in self.routes if route.taken)

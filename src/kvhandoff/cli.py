@@ -122,7 +122,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "push":
         from kvhandoff.bench.push import config_for, run_push_bench
 
-        push = run_push_bench(config_for(args.device, args.quick, args.transport), _progress)
+        config = config_for(args.device, args.quick, args.transport, args.push_requests)
+        push = run_push_bench(config, _progress)
         for note in push["notes"]:
             print(f"push bench: {note}", file=sys.stderr)
         ok = push["framework_verified"] and push["baseline_verified"]
@@ -316,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=64, help="latency: requests per run")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--quick", action="store_true", help="fewer passes (for smoke tests)")
+    bench.add_argument(
+        "--push-requests",
+        type=int,
+        default=None,
+        help="push: requests per rep, sharing its bytes (default 32: 32 x 32 MiB)",
+    )
     bench.add_argument(
         "--transport",
         choices=["auto", "nixl", "cuda_ipc"],
