@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 DEPS_STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier bench-vllm
+.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier bench-vllm wheel-check
 
 # The vLLM test tier runs in its own environment: vLLM 0.33.0 installed slim (the CPU torch,
 # vllm itself without its dependencies, then its pure-Python dependencies pinned in
@@ -64,7 +64,27 @@ specs-check: install
 unit: install
 	$(BIN)/pytest -q -rs
 
-test: lint typecheck specs-check docs vllm-env unit vllm-tier
+test: lint typecheck specs-check docs vllm-env wheel-check unit vllm-tier
+
+# The package as a user gets it: `python -m build` makes the sdist and, from it, the wheel
+# (in an isolated build environment, as pip would); the wheel goes into a fresh venv (the
+# CPU torch first, then the wheel with its declared dependencies: the demo needs them all),
+# and from outside the tree tools/wheel_check.py checks the archives' contents, py.typed,
+# the console script and the [gpu] extra's metadata, that every module imports (those
+# needing vLLM with the vLLM tier's site-packages on the path) and that the vLLM
+# integration's lazy names resolve; then the installed `kvhandoff demo` runs.
+WHEEL_DIST := build/dist
+WHEEL_VENV := build/wheel-venv
+VLLM_SITE = $(wildcard $(abspath $(VLLM_VENV))/lib/python3*/site-packages)
+
+wheel-check: install
+	rm -rf $(WHEEL_DIST) $(WHEEL_VENV)
+	$(PY) -m build --outdir $(WHEEL_DIST) .
+	python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(WHEEL_VENV)/bin/python -m pip install -q $(WHEEL_DIST)/kvhandoff-*.whl
+	cd $(WHEEL_VENV) && bin/python $(CURDIR)/tools/wheel_check.py $(CURDIR)/$(WHEEL_DIST) "$(VLLM_SITE)"
+	cd $(WHEEL_VENV) && bin/kvhandoff demo
 
 # Coverage-guided fuzzing of every decoder (atheris), 1,000,000 inputs; not part of CI.
 fuzz: install

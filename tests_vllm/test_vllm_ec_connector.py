@@ -227,7 +227,12 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Engine, Engine]]:
 def test_C_03_C_05_producer_saves_and_consumer_loads_through_vllms_calls(
     engines: tuple[Engine, Engine],
 ) -> None:
-    producer, consumer = engines
+    move_one_encoding(*engines)
+
+
+def move_one_encoding(producer: Engine, consumer: Engine) -> None:
+    """The producer saves and publishes one encoding, the consumer READs and loads it,
+    every byte checked; the producer's grant is released."""
     mm_hash = f"img-{uuid.uuid4().hex[:8]}"
     encoding = torch.randn(ROWS, HIDDEN, dtype=torch.float32)
 
@@ -262,6 +267,47 @@ def test_C_03_C_05_producer_saves_and_consumer_loads_through_vllms_calls(
     assert torch.equal(loaded.view(torch.uint8), encoding.view(torch.uint8))
     assert consumer.sched.request_finished(c_req) == (False, None)
     until(lambda: (producer.step(), not producer.sched.has_pending_push_work())[1], "release")
+
+
+def test_B_14_ec_events_reach_vllms_prometheus_metrics(engines: tuple[Engine, Engine]) -> None:
+    """After one encoding moved, each scheduler-role connector's `get_ec_connector_stats`
+    holds what its machines did in the interval (the producer's grant, the consumer's
+    READ), and `build_prom_metrics`' object, called as vLLM's stat logger calls it,
+    counts them under `vllm:kvhandoff_ec_events`; a second call with nothing new is None."""
+    import prometheus_client
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from kvhandoff.integrations.vllm import KVHandoffECConnector
+
+    producer, consumer = engines
+    move_one_encoding(producer, consumer)
+    unregister_vllm_metrics()
+    types = {
+        cls: cls
+        for cls in (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
+    }
+    prom = KVHandoffECConnector.build_prom_metrics(
+        producer.sched._vllm_config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]}
+    )
+    payloads = {}
+    for engine_idx, engine in enumerate((producer, consumer)):
+        stats = engine.sched.get_ec_connector_stats()
+        assert stats is not None and not stats.is_empty()
+        payloads[engine_idx] = stats.data
+        prom.observe(stats.data, engine_idx)
+        assert engine.sched.get_ec_connector_stats() is None
+
+    def events(engine: str, event: str) -> float:
+        labels = {"model_name": "m", "engine": engine, "event": event}
+        value = prometheus_client.REGISTRY.get_sample_value(
+            "vllm:kvhandoff_ec_events_total", labels
+        )
+        return 0.0 if value is None else value
+
+    assert events("0", "producer.OK") == 1, payloads[0]
+    assert events("1", "consumer.read") == 1, payloads[1]
+    assert events("1", "producer.OK") == 0
+    unregister_vllm_metrics()
 
 
 # -- a consumer under vLLM's real Scheduler ---------------------------------------------------

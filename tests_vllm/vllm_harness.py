@@ -201,6 +201,7 @@ def worker_process(
             results = worker.get_transfer_results(set(args[1]))
             invalid = worker.get_block_ids_with_load_errors()
             meta = worker.build_connector_worker_meta()
+            stats = worker.get_kv_connector_stats()  # the model runner asks after each step
             worker.clear_connector_metadata()
             outputs = [msgspec.msgpack.encode(o) for o in (meta.outputs if meta else ())]
             conn.send(
@@ -210,6 +211,7 @@ def worker_process(
                     set(results.failed_recving or ()),
                     invalid,
                     outputs,
+                    msgspec.msgpack.encode(stats.data) if stats is not None else None,
                 )
             )
         elif cmd == "verify":
@@ -287,16 +289,25 @@ class WorkerProc:
             self.proc.join(timeout=10)
 
 
-def engine_step(sched: Any, workers: list[WorkerProc], aggregator: Any) -> tuple[Any, Any]:
+def engine_step(
+    sched: Any,
+    workers: list[WorkerProc],
+    aggregator: Any,
+    stats: list[Any] | None = None,
+    emitted: list[Any] | None = None,
+) -> tuple[Any, Any]:
     """One engine step of a real vLLM Scheduler with its workers in other processes:
     schedule, every worker's connector lifecycle (metadata as msgpack bytes), vLLM's own
     aggregation of their outputs (`aggregator`: one `KVOutputAggregator` per engine, it
     counts ranks across steps), then the scheduler's update. Returns (scheduler output,
-    the aggregated KVConnectorOutput)."""
+    the aggregated KVConnectorOutput); each step's `SchedulerStats` vLLM made is appended
+    to `stats` when given (the workers' connector stats are in them, as vLLM carries
+    them), and each request's `EngineCoreOutput` (what vLLM's server answers from, its
+    `kv_transfer_params` included) to `emitted`."""
     import msgspec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from kvhandoff.integrations.vllm import KVHandoffWorkerMetadata
+    from kvhandoff.integrations.vllm import KVHandoffConnectorStats, KVHandoffWorkerMetadata
     from kvhandoff.machines.push.meta import PushWorkerOutput
 
     out = sched.schedule()
@@ -308,7 +319,9 @@ def engine_step(sched: Any, workers: list[WorkerProc], aggregator: Any) -> tuple
     ]
     runner_outputs = []
     for worker in workers:
-        sending, recving, failed, invalid, outputs = worker.step(wire, out.finished_req_ids)
+        sending, recving, failed, invalid, outputs, worker_stats = worker.step(
+            wire, out.finished_req_ids
+        )
         meta = KVHandoffWorkerMetadata(
             [msgspec.msgpack.decode(o, type=PushWorkerOutput) for o in outputs]
         )
@@ -318,6 +331,11 @@ def engine_step(sched: Any, workers: list[WorkerProc], aggregator: Any) -> tuple
             failed_recving=failed,
             invalid_block_ids=invalid,
             kv_connector_worker_meta=meta,
+            kv_connector_stats=(
+                KVHandoffConnectorStats(data=msgspec.msgpack.decode(worker_stats))
+                if worker_stats is not None
+                else None
+            ),
         )
         runner_outputs.append(
             ModelRunnerOutput(
@@ -329,5 +347,11 @@ def engine_step(sched: Any, workers: list[WorkerProc], aggregator: Any) -> tuple
         )
     merged = aggregator.aggregate(runner_outputs)
     kv_output = merged.kv_connector_output
-    sched.update_from_output(out, merged)
+    engine_outputs = sched.update_from_output(out, merged)
+    if stats is not None:
+        stats.extend(
+            o.scheduler_stats for o in engine_outputs.values() if o.scheduler_stats is not None
+        )
+    if emitted is not None:
+        emitted.extend(out for o in engine_outputs.values() for out in o.outputs)
     return out, kv_output

@@ -45,10 +45,23 @@ class ReportFailedRecving(Effect):
 class ReportReleased(Effect):
     """D: the engine ended a request it was waiting for (its abort path) and no rank
     holds it any more: its blocks are the engine's again (vLLM frees them once it sees the
-    id in `finished_recving`). `reason` says why the receive did not happen."""
+    id in `finished_recving`). `reason` says why the receive did not happen; `failed`, that
+    a rank had failed its part first (the engine ended it for the failed load, B-14)."""
 
     request_id: str
     reason: str
+    failed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TimeTransfer(Effect):
+    """A scheduler-side request every rank is done with, moved: when it began (`since`,
+    the `now` the scheduler created it at: P's prefill end, D's block allocation) and how
+    many blocks it moved; the scheduler times it at the step it ends (B-14)."""
+
+    request_id: str
+    since: float
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from kvhandoff.machines.kv.effects import (
     ReportFailedRecving,
     ReportFinishedRecving,
     ReportReleased,
+    TimeTransfer,
     Warn,
 )
 from kvhandoff.machines.kv.events import (
@@ -76,6 +77,9 @@ class DRequestCtx:
     """The watchdog gave up on it before the engine ended it."""
     engine_ended: bool = False
     """The engine's abort path ended it: release it once no rank holds it."""
+    since: float = 0.0
+    """When the engine allocated its blocks (the scheduler's `now`): the receive's wait is
+    timed from it (B-14)."""
 
 
 WATCHDOG = Timeout("push_registration_timeout", "dropping", WatchdogExpired, action="give_up")
@@ -107,7 +111,11 @@ def count_repeat(ctx: DRequestCtx, event: RankReport | RankEnded) -> list[Effect
 
 def finish(ctx: DRequestCtx, event: RankReceived) -> list[Effect]:
     record(ctx, event)
-    return [ReportFinishedRecving(ctx.key), Metric("push.d.received")]
+    return [
+        ReportFinishedRecving(ctx.key),
+        TimeTransfer(ctx.key, ctx.since, len(ctx.block_ids)),
+        Metric("push.d.received"),
+    ]
 
 
 def fail(ctx: DRequestCtx, event: RankReport) -> list[Effect]:
@@ -141,7 +149,8 @@ def engine_ended(ctx: DRequestCtx, event: RankReport | RankEnded) -> bool:
 
 def release(ctx: DRequestCtx, event: Abort | RankReport | RankEnded) -> list[Effect]:
     reason = "push registration watchdog expired" if ctx.expired else "aborted"
-    return [ReportReleased(ctx.key, reason), Metric("push.d.released")]
+    failed = bool(ctx.failures) or isinstance(event, RankRecvFailed)
+    return [ReportReleased(ctx.key, reason, failed), Metric("push.d.released")]
 
 
 _WAITING = ["awaiting", "transferring"]

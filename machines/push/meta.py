@@ -26,6 +26,7 @@ __all__ = [
     "PushConnectorMeta",
     "PushConnectorOutput",
     "PushWorkerOutput",
+    "Timing",
 ]
 
 FAILURE_CAUSES = ("handshake", "post", "transfer_error", "timeout", "peer_gone", "rejected")
@@ -70,6 +71,15 @@ class PushWorkerOutput(msgspec.Struct, kw_only=True):
     """Failures since the last output, by cause (`FAILURE_CAUSES`)."""
 
 
+class Timing(msgspec.Struct, frozen=True):
+    """One finished transfer, timed by the scheduler's machines (B-14)."""
+
+    seconds: float
+    """From its start (P: the prefill's end; D: the blocks' allocation) to the step every
+    rank reported it done."""
+    num_blocks: int
+
+
 class PushConnectorOutput(msgspec.Struct, kw_only=True):
     """What the engine learns after a step: requests every rank is done with."""
 
@@ -80,3 +90,8 @@ class PushConnectorOutput(msgspec.Struct, kw_only=True):
     released: dict[str, str] = msgspec.field(default_factory=dict)
     """D requests the engine ended (abort path) that no rank holds any more, with why the
     receive did not happen: their blocks may be freed (`ReportReleased`)."""
+    failed_released: set[str] = msgspec.field(default_factory=set)
+    """The released requests a rank had failed its part of (the engine ended them for the
+    failed load, as vLLM does under `kv_load_failure_policy="fail"`): failed transfers."""
+    timings: dict[str, Timing] = msgspec.field(default_factory=dict)
+    """Each request of `finished_sending` and `finished_recving`, timed (`Timing`)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.kv.effects import ReportFinishedSending
+from kvhandoff.machines.kv.effects import ReportFinishedSending, TimeTransfer
 from kvhandoff.machines.kv.events import Drained, RankSent
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Metric
@@ -27,6 +27,8 @@ class PRequestCtx:
     block_ids: tuple[int, ...]
     ranks: int = 1
     reported: set[int] = field(default_factory=set)
+    since: float = 0.0
+    """When the prefill finished (the scheduler's `now`): the push is timed from it (B-14)."""
 
 
 def repeated(ctx: PRequestCtx, event: RankSent) -> bool:
@@ -47,7 +49,11 @@ def count_repeat(ctx: PRequestCtx, event: RankSent) -> list[Effect]:
 
 def free(ctx: PRequestCtx, event: RankSent) -> list[Effect]:
     ctx.reported.add(event.rank)
-    return [ReportFinishedSending(ctx.key), Metric("push.p.freed")]
+    return [
+        ReportFinishedSending(ctx.key),
+        TimeTransfer(ctx.key, ctx.since, len(ctx.block_ids)),
+        Metric("push.p.freed"),
+    ]
 
 
 P_REQUEST: Declaration[PRequestCtx] = Declaration(

@@ -19,7 +19,9 @@ state takes `now`.
   one of the engine's and its step newer than the last one it reported, else it is stale
   and ignored, counted. Entries about requests that no longer wait for the rank are
   counted stale too.
-- Failures by cause (B-14) add up across the ranks: `stats()`.
+- Failures by cause (B-14) add up across the ranks: `stats()`. Each sent or received
+  request is timed by its machine, from the `now` it was created at to the call that ends
+  it (`PushConnectorOutput.timings`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvhandoff.machines.kv.effects import (
     ReportFinishedRecving,
     ReportFinishedSending,
     ReportReleased,
+    TimeTransfer,
     Warn,
 )
 from kvhandoff.machines.kv.events import (
@@ -52,6 +55,7 @@ from kvhandoff.machines.push.meta import (
     PushConnectorMeta,
     PushConnectorOutput,
     PushWorkerOutput,
+    Timing,
 )
 from kvhandoff.machines.push.p_request import P_REQUEST, PRequestCtx
 from kvhandoff.machines.runtime.bus import EventBus
@@ -145,6 +149,7 @@ class PushScheduler:
         bus_.handle(ReportFailedRecving, self._on_failed_recving)
         bus_.handle(ReportFinishedSending, self._on_finished_sending)
         bus_.handle(ReportReleased, self._on_released)
+        bus_.handle(TimeTransfer, self._on_timed)
         bus_.handle(Warn, lambda _inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
 
     # -- D side ----------------------------------------------------------------------
@@ -175,6 +180,7 @@ class PushScheduler:
                 heartbeat_engine=source.prefill.engine_id,
                 heartbeat_id=source.request_id,
                 source=source,
+                since=now,
             )
         else:
             prefill = self._prefill_engine(kv_transfer_params)
@@ -187,6 +193,7 @@ class PushScheduler:
                 # else D's, which a kvhandoff P matches by base id.
                 heartbeat_id=prefill_request_id(kv_transfer_params) or request_id,
                 registration=self._registration(request_id, blocks, prefill),
+                since=now,
             )
         self.bus.create(D_REQUEST, ctx, now)
         self._to_drain.append(request_id)
@@ -262,7 +269,8 @@ class PushScheduler:
             return False, None
         blocks = tuple(block_ids)
         if blocks:
-            self.bus.create(P_REQUEST, PRequestCtx(request_id, blocks, ranks=self.world), now)
+            ctx = PRequestCtx(request_id, blocks, ranks=self.world, since=now)
+            self.bus.create(P_REQUEST, ctx, now)
             self._to_drain.append(request_id)
         delay = bool(blocks)
         if self.mode == "pull":
@@ -401,6 +409,13 @@ class PushScheduler:
 
     def _on_released(self, _inst: Instance[object], effect: ReportReleased) -> None:
         self._output.released[effect.request_id] = effect.reason
+        if effect.failed:
+            self._output.failed_released.add(effect.request_id)
+
+    def _on_timed(self, _inst: Instance[object], effect: TimeTransfer) -> None:
+        """At the bus's time: the `now` of the call whose rank reports ended the request."""
+        seconds = max(0.0, self.bus.now - effect.since)
+        self._output.timings[effect.request_id] = Timing(seconds, effect.num_blocks)
 
     def _require(self, role: Role, call: str) -> None:
         if self.role != role:

@@ -8,6 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvhandoff.proxy import Proxy
 
 TRACE_HELP = "write each process's transition trace into DIR (check it with check-trace)"
 
@@ -231,6 +235,60 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     return 1 if result["leaked"] else 0
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def proxy_from_args(args: argparse.Namespace) -> Proxy:
+    """The `kvhandoff proxy` command's routing, from its parsed arguments (ValueError when
+    push mode lacks P's coordinates)."""
+    from kvhandoff.protocol.legs import PrefillCoordinates
+    from kvhandoff.proxy import Proxy, Upstream
+
+    coordinates = None
+    if args.mode == "push":
+        if not args.prefill_engine_id or args.prefill_side_channel is None:
+            raise ValueError(
+                "push mode needs --prefill-engine-id and --prefill-side-channel"
+                " (D registers before P answers)"
+            )
+        side_host, side_port = args.prefill_side_channel
+        coordinates = PrefillCoordinates(
+            args.prefill_engine_id, side_host, side_port, args.prefill_tp_size, args.prefill_pp_size
+        )
+    return Proxy(
+        Upstream.parse(args.prefill),
+        Upstream.parse(args.decode),
+        mode=args.mode,
+        coordinates=coordinates,
+        encoder=Upstream.parse(args.encoder) if args.encoder else None,
+    )
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from kvhandoff.proxy import serve
+
+    try:
+        proxy = proxy_from_args(args)
+    except ValueError as exc:
+        print(f"kvhandoff proxy: {exc}", file=sys.stderr)
+        return 2
+    host, port = args.listen
+    server = serve(proxy, host, port)
+    print(f"kvhandoff proxy ({args.mode}) on http://{host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        proxy.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -362,6 +420,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", default=None, metavar="DIR", help="write one trace per run into DIR"
     )
     simulate.set_defaults(func=_cmd_simulate)
+
+    proxy = sub.add_parser(
+        "proxy", help="a reference proxy: both legs of each request to a vLLM P and D"
+    )
+    proxy.add_argument("--prefill", required=True, help="P's OpenAI server, http://HOST:PORT")
+    proxy.add_argument("--decode", required=True, help="D's OpenAI server, http://HOST:PORT")
+    proxy.add_argument(
+        "--encoder", help="the encoder cache's producer, http://HOST:PORT (optional, first)"
+    )
+    proxy.add_argument("--listen", type=_host_port, default=("127.0.0.1", 8000))
+    proxy.add_argument("--mode", choices=["push", "pull"], default="push")
+    proxy.add_argument("--prefill-engine-id", help="P's kv_transfer_config engine_id (push)")
+    proxy.add_argument(
+        "--prefill-side-channel",
+        type=_host_port,
+        help="P's side channel HOST:PORT: its side_channel_host/_port (push)",
+    )
+    proxy.add_argument("--prefill-tp-size", type=int, default=1)
+    proxy.add_argument("--prefill-pp-size", type=int, default=1)
+    proxy.set_defaults(func=_cmd_proxy)
     return parser
 
 

@@ -31,6 +31,8 @@ from vllm.v1.request import RequestStatus
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.push_rank import PushRank
+from kvhandoff.integrations.vllm import stats
+from kvhandoff.integrations.vllm.metrics import KVHandoffPromMetrics
 from kvhandoff.integrations.vllm.nixl_rank import (
     RankAssembly,
     build_rank,
@@ -149,7 +151,11 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         # worker metadata, and the load errors of the step's output until vLLM asks.
         self._outputs: list[PushWorkerOutput] = []
         self._load_errors: set[int] = set()
-        self._stats_seen: dict[str, int] = {}
+        # Running totals as of the last stats call, and this interval's finished transfers
+        # as observations (counts, bytes, seconds: no request ids), until vLLM asks.
+        self._stats_seen: dict[str, Any] = {}
+        self._observed: stats.StatsData = {}
+        self._block_bytes = stats.block_bytes(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PushScheduler(
                 self.push_role, self.engine, self.config, self.mode, now=clock()
@@ -238,27 +244,43 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             result.finished_recving | result.failed_recving.keys() | result.released.keys()
         )
         connector_output.finished_sending = result.finished_sending
+        stats.merge(self._observed, stats.transfers(result, self._block_bytes))
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     def get_kv_connector_stats(self) -> KVHandoffConnectorStats | None:
-        """Scheduler: the failures by cause the ranks reported since the last call (B-14),
-        and the stale or late rank reports kvhandoff dropped; None when no count moved."""
+        """What moved since the last call (`stats.py`), None when nothing did. Scheduler:
+        the failures by cause the ranks reported (B-14), the stale rank reports kvhandoff
+        ignored, watchdog expiries, the interval's finished transfers by outcome with their
+        bytes and times (as `PushScheduler`'s machines timed them). Worker: its rank's
+        lease expiries and the notifs it refused, by cause (S-06). vLLM adds the two up
+        for its stat loggers."""
         if self.scheduler is None:
-            return None
-        totals = self.scheduler.stats()
-        if totals == self._stats_seen:
-            return None
-        delta = {name: count - self._stats_seen.get(name, 0) for name, count in totals.items()}
-        self._stats_seen = totals
-        return KVHandoffConnectorStats(data=delta)
+            totals = {} if self.rank is None else stats.rank_totals(self.rank)
+            data = stats.delta(totals, self._stats_seen)
+        else:
+            totals = stats.scheduler_totals(self.scheduler, self.side_channel)
+            data = stats.merge(stats.delta(totals, self._stats_seen), self._observed)
+            self._observed = {}
+        return None if stats.is_empty(data) else KVHandoffConnectorStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVHandoffConnectorStats | None:
         return KVHandoffConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVHandoffPromMetrics:
+        """kvhandoff's Prometheus metrics (`metrics.py`), registered once per process."""
+        return KVHandoffPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side --------------------------------------------------------------------------
 

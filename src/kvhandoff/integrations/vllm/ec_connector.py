@@ -41,6 +41,8 @@ from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.ec_side import ECSide
 from kvhandoff.adapters.ec_worker_side import ECWorkerSide
 from kvhandoff.adapters.shm.region import region_name
+from kvhandoff.integrations.vllm import stats
+from kvhandoff.integrations.vllm.metrics import KVHandoffECConnectorStats, KVHandoffECPromMetrics
 from kvhandoff.machines.ec.meta import ECConnectorMeta, ECRequestInfo, ECWorkerMeta
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
@@ -214,6 +216,7 @@ class KVHandoffECConnector(ECConnectorBase):
         self._fields_for: FieldsFor | None = None
         self._dtype = _dtype(vllm_config)
         self._ranks = (0, 0)
+        self._stats_seen: dict[str, Any] = {}
         if role == ECConnectorRole.SCHEDULER:
             self._fields_for = _resolver(vllm_config)
             from vllm.version import __version__ as vllm_version
@@ -336,6 +339,32 @@ class KVHandoffECConnector(ECConnectorBase):
         stepping the engine, so the grant's release (or expiry) is seen (R-E12)."""
         producer = None if self.side is None else self.side.scheduler.producer
         return producer is not None and bool(producer.pins())
+
+    def get_ec_connector_stats(self) -> KVHandoffECConnectorStats | None:
+        """Scheduler: what moved since the last call (`stats.ec_totals`: events by name,
+        refused inputs by cause, expired grant leases, evictions); None when nothing did,
+        and always on a worker rank (its copies report through the worker metadata)."""
+        if self.side is None:
+            return None
+        data = stats.delta(stats.ec_totals(self.side), self._stats_seen)
+        return None if stats.is_empty(data) else KVHandoffECConnectorStats(data=data)
+
+    @classmethod
+    def build_ec_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVHandoffECConnectorStats | None:
+        return KVHandoffECConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVHandoffECPromMetrics:
+        """kvhandoff's encoder-cache Prometheus metrics (`metrics.py`)."""
+        return KVHandoffECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.side is not None:

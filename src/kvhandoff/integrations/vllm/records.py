@@ -1,19 +1,19 @@
 """The records vLLM carries between kvhandoff's connector halves (R-T01): per-step metadata
-down, per-rank outputs up, the handshake payload once, and the failure statistics (B-14).
-Each wraps kvhandoff's serialisable records only; nothing live crosses. Imports vLLM."""
+down, per-rank outputs up, the handshake payload once, and the statistics (B-14; the stats
+class lives in `metrics.py`). Each wraps kvhandoff's serialisable records only; nothing
+live crosses. Imports vLLM."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvhandoff.integrations.vllm.metrics import KVHandoffConnectorStats
 from kvhandoff.machines.push.meta import PushConnectorMeta, PushWorkerOutput
 
 __all__ = [
@@ -49,24 +49,3 @@ class KVHandoffHandshakeMetadata(KVConnectorHandshakeMetadata):
     def __init__(self, payload: bytes, tp_rank: int) -> None:
         self.payload = payload
         self.tp_rank = tp_rank
-
-
-@dataclass
-class KVHandoffConnectorStats(KVConnectorStats):
-    """kvhandoff's failures by cause (B-14) over one interval: `data` maps each cause in
-    `FAILURE_CAUSES`, `stale_reports` (kvhandoff ignored them) and `dropped_reports` (the
-    connector kept them from vLLM) to a count; ranks' and scheduler's counts add up."""
-
-    def reset(self) -> None:
-        self.data.clear()
-
-    def aggregate(self, other: KVConnectorStats) -> KVHandoffConnectorStats:
-        for name, count in other.data.items():
-            self.data[name] = int(self.data.get(name, 0)) + int(count)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: int(count) for name, count in self.data.items()}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
