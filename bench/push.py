@@ -13,6 +13,12 @@ measurements, taken in the same run and interleaved rep by rep:
 - baseline: one WRITE of the same number of bytes, one descriptor on each side, from a
   buffer of P's into a buffer of D's (registered by the same agents), with a completion
   notif. Time: from just before P creates the transfer to D's poll that sees the notif.
+- peer copy (`--device cuda` only): the physical limit, a raw device-to-device copy of
+  the same bytes from P's GPU to D's, in P's process, timed with CUDA events
+  (`push_peer.py`; `peer_copy_gbps`, `ratio_vs_peer_copy`).
+
+On CUDA, P's process uses GPU 0 and D's `peer_device` (issue 29: 0 shares P's GPU; N
+puts D's KV and baseline buffer on GPU N, so every measurement crosses GPUs).
 
 The KV regions use a real attention layout: each layer is one tensor of
 `2 x blocks x block_tokens x kv_heads x head_dim` bf16 (32 KiB per block per region with
@@ -51,7 +57,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvhandoff.bench.push_kv import QUICK, Device, KVLayout, PushBenchConfig, TransportPath
+from kvhandoff.bench.push_kv import (
+    QUICK,
+    Device,
+    KVLayout,
+    PushBenchConfig,
+    TransportPath,
+    check_peer_device,
+)
 from kvhandoff.demo.launcher import RoleProcess, _pump_events, _pump_stderr, stop_all
 
 __all__ = ["QUICK", "Device", "KVLayout", "PushBenchConfig", "config_for", "run_push_bench"]
@@ -107,6 +120,7 @@ class _Samples:
     latencies_ms: list[float] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    peer_copy: dict[str, Any] = field(default_factory=dict)
 
     def add(self, what: str, seconds: float, ok: bool, timed: bool) -> None:
         self.verified.setdefault(what, []).append(ok)
@@ -189,6 +203,17 @@ def _raw_rep(
     return got["t_end"] - sent["t0"], ok, f"P {sent}, D {got}"
 
 
+def _peer_copy_rep(p: _Child, rep: int, timeout: float, samples: _Samples, timed: bool) -> None:
+    """The raw device-to-device copy, P's GPU to D's (`push_peer.py`), several per rep."""
+    p.send("peer_copy", rep=rep)
+    got = p.expect("peer_copied", timeout)
+    for seconds in got["seconds"]:
+        samples.add("peer_copy", seconds, bool(got["verified"]), timed)
+    samples.peer_copy = {"method": got["method"], "p2p": got["p2p"]}
+    if not got["verified"]:
+        samples.notes.append(f"peer copy rep {rep}: the bytes on D's GPU differ ({got})")
+
+
 def run_push_bench(
     cfg: PushBenchConfig,
     progress: Callable[[str], None] = lambda _: None,
@@ -221,6 +246,8 @@ def run_push_bench(
                 runs["raw_per_request"] = _raw_rep(prefill, decode, i, timeout, cfg.requests)
             if cfg.diagnose:
                 runs["raw_one_write"] = _raw_rep(prefill, decode, i, timeout, 1)
+            if cfg.device == "cuda":
+                _peer_copy_rep(prefill, i, timeout, samples, timed)
             line = []
             for what, (seconds, ok, detail) in runs.items():
                 samples.add(what, seconds, ok, timed)
@@ -233,6 +260,9 @@ def run_push_bench(
                     samples.notes.append(f"{what} {label}: {detail}\n" + "\n".join(tails))
                 flag = "" if ok else " (NOT VERIFIED)"
                 line.append(f"{what} {nbytes / seconds / 1e9:.2f} GB/s{flag}")
+            if timed and "peer_copy" in samples.seconds:
+                copy_s = samples.seconds["peer_copy"][-1]
+                line.append(f"peer copy {nbytes / copy_s / 1e9:.2f} GB/s")
             progress(f"push {label}: " + ", ".join(line))
         for child in children:
             child.send("quit")
@@ -240,7 +270,9 @@ def run_push_bench(
             child.role.proc.wait(timeout=30)
     finally:
         stop_all([c.role for c in children])
-    return _result(cfg, samples, ready_p["device"])
+    result = _result(cfg, samples, ready_p["device"])
+    result["peer_device_name"] = ready_d["device"]
+    return result
 
 
 def _result(cfg: PushBenchConfig, samples: _Samples, device: str) -> dict[str, Any]:
@@ -270,6 +302,17 @@ def _result(cfg: PushBenchConfig, samples: _Samples, device: str) -> dict[str, A
         if what in gbps:
             result[f"{what}_gbps"] = round(gbps[what], 3)
             result[f"{what}_verified"] = all(samples.verified[what])
+    result["peer_device"] = cfg.peer_device
+    routes = sorted(set(samples.counters.get("ipc_routes", {}).values()))
+    result["route"] = ",".join(routes) if routes else None  # the IPC route(s) opened
+    if "peer_copy" in gbps:
+        # The physical limit: a raw device-to-device copy of the same bytes (issue 29).
+        result["peer_copy_gbps"] = round(gbps["peer_copy"], 3)
+        result["ratio_vs_peer_copy"] = round(gbps["framework"] / gbps["peer_copy"], 3)
+        result["baseline_ratio_vs_peer_copy"] = round(gbps["baseline"] / gbps["peer_copy"], 3)
+        result["peer_copy_verified"] = all(samples.verified["peer_copy"])
+        result["peer_copy_method"] = samples.peer_copy.get("method")
+        result["peer_copy_p2p"] = samples.peer_copy.get("p2p")
     if "raw_per_request" in gbps:
         # The framework against raw WRITEs of its own descriptors, one per request with a
         # notif (issue 18 asks it of the NIXL-only path).
@@ -302,13 +345,24 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def config_for(
-    device: Device, quick: bool, transport: str = "auto", requests: int | None = None
+    device: Device,
+    quick: bool,
+    transport: str = "auto",
+    requests: int | None = None,
+    peer_device: int | None = None,
+    device_count: Callable[[], int] | None = None,
 ) -> PushBenchConfig:
     """The CLI's configuration. On CUDA, NIXL's UCX scatter-gather WRITE is switched on: it
     posts a request's many block descriptors as one batched copy (see bench/RESULTS.md);
     `transport="auto"` picks the CUDA IPC wrapper on CUDA (falling back to NIXL) and NIXL
     on the CPU. `requests`: the rep's requests (its bytes are shared among them: 8 gives
-    8 x 128 MiB of the default 1 GiB)."""
+    8 x 128 MiB of the default 1 GiB). `peer_device`: D's GPU (P stays on GPU 0; given, it
+    needs `device="cuda"` and must be below `device_count()`, torch's count by default;
+    None is GPU 0, unchecked); raises ValueError with the reason."""
+    if peer_device is not None:
+        if device != "cuda":
+            raise ValueError("--peer-device needs --device cuda")
+        check_peer_device(peer_device, (device_count or _cuda_device_count)())
     path: TransportPath = "nixl"
     if transport == "cuda_ipc" or (transport == "auto" and device == "cuda"):
         path = "cuda_ipc"
@@ -320,4 +374,11 @@ def config_for(
         transport=path,
         raw_per_request=path == "nixl",
         requests=base.requests if requests is None else requests,
+        peer_device=peer_device or 0,
     )
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())

@@ -14,7 +14,7 @@ import select
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvhandoff.bench.push_kv import (
     BASELINE_NOTIF,
@@ -25,12 +25,16 @@ from kvhandoff.bench.push_kv import (
 )
 from kvhandoff.bench.push_node import BenchSide, emit
 
+if TYPE_CHECKING:
+    from kvhandoff.bench.push_peer import PeerCopy
+
 
 class BenchPrefill(BenchSide):
     def __init__(self, cfg: PushBenchConfig, role: str) -> None:
         super().__init__(cfg, role)
         # When each WRITE left the writer thread: the phases of a rep, for the report.
         self.posted: list[float] = []
+        self._peer_copy: PeerCopy | None = None
         write_blocks = self.transport.write_blocks
 
         def timed_write_blocks(*args: Any, **kwargs: Any) -> Any:
@@ -114,6 +118,7 @@ class BenchPrefill(BenchSide):
                 peer.agent(0),
                 [(remote_addr, nbytes, 1)],
                 mem,  # type: ignore[arg-type]
+                self.cfg.peer_device,  # D's buffer lives on D's GPU
             )
             self._baseline_descs = (local, remote)
         emit("baseline_prepared", rep=rep)
@@ -131,6 +136,14 @@ class BenchPrefill(BenchSide):
         agent.release(handle)
         self.start_writer()
         emit("baseline_sent", rep=rep, t0=t0, t_done=t_done, state=handle.xfer_status)
+
+    def peer_copy(self, rep: int) -> None:
+        """The raw device-to-device copy of the baseline's bytes to D's GPU (`push_peer`)."""
+        if self._peer_copy is None:
+            from kvhandoff.bench.push_peer import PeerCopy
+
+            self._peer_copy = PeerCopy(self.baseline, self.cfg.peer_device)
+        emit("peer_copied", rep=rep, **self._peer_copy.run(rep, self.cfg.peer_copy_reps))
 
     def raw_go(self, rep: int, per_request: bool) -> None:
         """Diagnostic, no framework: the framework's block descriptors in raw WRITEs, either
@@ -325,12 +338,13 @@ def child_main(argv: list[str]) -> int:
     side: BenchPrefill | BenchDecode = (
         BenchPrefill(cfg, role) if role == "prefill" else BenchDecode(cfg, role, int(argv[2]))
     )
-    device = side.torch.cuda.get_device_name(0) if cfg.device == "cuda" else "cpu"
+    device = side.torch.cuda.get_device_name(side.gpu) if cfg.device == "cuda" else "cpu"
     emit(
         "ready",
         port=side.server.port,
         baseline_addr=side.baseline.data_ptr(),
         device=device,
+        gpu=side.gpu,
     )
     try:
         for cmd in _commands(side):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvhandoff.adapters.cuda.ipc_route import CROSS_DEVICE_CHOICES
+
 if TYPE_CHECKING:
     import torch
 
@@ -68,6 +70,15 @@ class PushBenchConfig:
     transport: TransportPath = "nixl"
     """"cuda_ipc": wrap the NIXL transport in `IpcPushTransport` (same-host WRITEs by one
     CUDA IPC gather-scatter kernel per writer pass, NIXL for the rest and the baseline)."""
+    peer_device: int = 0
+    """cuda: the GPU that D's process keeps its KV and baseline buffer on (P stays on GPU
+    0); 0 is P and D sharing one GPU (issue 29)."""
+    ipc_cross_device: str = "auto"
+    """cuda_ipc with D on another GPU: "kernel", "copy_engine" or "auto"
+    (`ipc_route.choose_route`)."""
+    peer_copy_reps: int = 3
+    """cuda: raw device-to-device copies of the pushed bytes, P's GPU to D's, timed with
+    CUDA events after each rep's baseline (`peer_copy_gbps`, the median of all)."""
 
     @property
     def block_len(self) -> int:
@@ -104,6 +115,28 @@ class PushBenchConfig:
             raise ValueError("the cuda_ipc transport needs --device cuda")
         if self.blocks_per_request < 1:
             raise ValueError(f"{self.blocks} blocks cannot be shared by {self.requests} requests")
+        if self.peer_device < 0:
+            raise ValueError(f"--peer-device must not be negative, got {self.peer_device}")
+        if self.peer_device and self.device != "cuda":
+            raise ValueError("--peer-device needs --device cuda")
+        if self.ipc_cross_device not in CROSS_DEVICE_CHOICES:
+            raise ValueError(
+                f"ipc_cross_device must be one of {CROSS_DEVICE_CHOICES}, "
+                f"got {self.ipc_cross_device!r}"
+            )
+        if self.peer_copy_reps < 1:
+            raise ValueError("peer_copy_reps must be positive")
+
+
+def check_peer_device(peer_device: int, device_count: int) -> None:
+    """D's GPU must be one this process sees (`torch.cuda.device_count()`)."""
+    if device_count < 1:
+        raise ValueError(f"--peer-device {peer_device}: torch sees no CUDA GPU here")
+    if not 0 <= peer_device < device_count:
+        raise ValueError(
+            f"--peer-device {peer_device}: this process sees {device_count} CUDA GPU"
+            f"{'s' if device_count != 1 else ''} (0..{device_count - 1}); D's GPU must be one"
+        )
 
 
 QUICK = PushBenchConfig(layers=2, blocks=32, requests=4, reps=2, warmup=1, timeout_s=60.0)

@@ -43,7 +43,11 @@ class BenchSide:
         self.cfg = cfg
         self.role = role
         self.torch = torch
-        self.device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+        # P on GPU 0; D on `peer_device` (issue 29: 0 is both on one GPU).
+        self.gpu = cfg.peer_device if role == "decode" else 0
+        self.device = (
+            torch.device("cuda", self.gpu) if cfg.device == "cuda" else torch.device("cpu")
+        )
         if cfg.device == "cuda":
             torch.cuda.set_device(self.device)
         self.kv = BenchKV(cfg, role, self.device)
@@ -62,7 +66,7 @@ class BenchSide:
             ),
             is_decoder=role == "decode",
             mem="VRAM" if cfg.device == "cuda" else "DRAM",
-            device_id=0,
+            device_id=self.gpu,
         )
         self.nixl.batcher.post_every = cfg.nixl_post_every
         self.transport: NixlPushTransport | IpcPushTransport = self.nixl
@@ -71,12 +75,13 @@ class BenchSide:
 
             self.transport = IpcPushTransport(
                 self.nixl,
-                device=0,
+                device=self.gpu,
                 export=role == "decode",
                 launch_every=cfg.ipc_launch_every,
                 notifier=cfg.ipc_notifier,
                 launch_at_flush=cfg.ipc_launch_at_flush,
                 kernel=cfg.ipc_kernel,  # type: ignore[arg-type]
+                cross_device=cfg.ipc_cross_device,  # type: ignore[arg-type]
             )
         # The baseline buffers are registered before the side channel serves this agent's
         # metadata, so the peer loads them with the first handshake.
@@ -155,6 +160,7 @@ class BenchSide:
                 ipc_launches=stats.launches,
                 ipc_kernel=stats.kernel,
                 ipc_refused=dict(stats.refused_peers),
+                ipc_routes=dict(stats.routes),
             )
         return counters
 

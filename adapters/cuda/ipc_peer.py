@@ -125,7 +125,9 @@ class OpenedPeer:
         self.remote_capacity = min(remote[slot.name].num_blocks for slot in local)
         src_base, dst_base = min(src), min(dst)
         self.src = _base_tensor(src_base, self.device)
-        self.dst = _base_tensor(dst_base, self.device)
+        # D's addresses as a tensor of D's GPU: torch would copy a pointer of another
+        # GPU's memory over to the device asked for.
+        self.dst = _base_tensor(dst_base, torch.device("cuda", peer_device))
         self.src_off = torch.tensor(
             [(a - src_base) // 8 for a in src], dtype=torch.int64, device=self.device
         )

@@ -229,7 +229,7 @@ class NixlPushTransport:
                     name,
                     rows,
                     self.mem,  # type: ignore[arg-type]
-                    self.device_id,
+                    payload.device_id,  # the GPU the peer registered them on (issue 29)
                 )
                 data[payload.rank] = _DataRank(prepped, route, remote_chunks)
                 capacity = min(route.capacities)

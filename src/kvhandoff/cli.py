@@ -122,11 +122,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "push":
         from kvhandoff.bench.push import config_for, run_push_bench
 
-        config = config_for(args.device, args.quick, args.transport, args.push_requests)
+        try:
+            config = config_for(
+                args.device, args.quick, args.transport, args.push_requests, args.peer_device
+            )
+        except ValueError as exc:
+            raise SystemExit(f"kvhandoff bench push: {exc}") from None
         push = run_push_bench(config, _progress)
         for note in push["notes"]:
             print(f"push bench: {note}", file=sys.stderr)
         ok = push["framework_verified"] and push["baseline_verified"]
+        ok = ok and push.get("peer_copy_verified", True)
         if not args.json:
             print(
                 f"push on {push['device']}: {push['bytes'] / 2**20:.0f} MiB as "
@@ -136,6 +142,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"framework: {push['framework_gbps']} GB/s (median, path {push['path']})")
             print(f" baseline: {push['baseline_gbps']} GB/s (median, one descriptor)")
             print(f"    ratio: {push['ratio']}{'' if ok else '  (bytes NOT verified)'}")
+            if "peer_copy_gbps" in push:
+                print(
+                    f"peer copy: {push['peer_copy_gbps']} GB/s (median, GPU 0 -> GPU "
+                    f"{push['peer_device']}, {push['peer_copy_method']}); ratio "
+                    f"{push['ratio_vs_peer_copy']}, route {push['route']}"
+                )
         print(json.dumps(push) if args.json else "")
         return 0 if ok else 1
     raise SystemExit(f"unknown benchmark {args.what!r}")
@@ -331,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="push: where the KV lives"
+    )
+    bench.add_argument(
+        "--peer-device",
+        type=int,
+        default=None,
+        metavar="N",
+        help="push, --device cuda: D's GPU (P stays on GPU 0; default 0, one GPU for both)",
     )
     bench.add_argument("--blocks", type=int, default=None, help="ec: blocks per batch")
     bench.add_argument(

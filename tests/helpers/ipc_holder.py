@@ -1,6 +1,9 @@
 """D for tests/test_push_ipc_gpu.py: holds two layers of K/V regions on the GPU, prints
 its CUDA IPC export (hex) and checks, on request, what P wrote into them.
 
+`ipc_holder.py [GPU]`: the regions live on that GPU (default 0; another one for the
+tests across GPUs, tests/test_push_ipc_peer_gpu.py).
+
 Commands on stdin, one a line: `verify <json [[p_block, d_block], ...]>` answers `ok` or
 `bad ...`; `exit` ends it.
 """
@@ -24,7 +27,8 @@ def pattern(region: int, block: int) -> torch.Tensor:
 
 
 def main() -> int:
-    torch.cuda.set_device(0)
+    gpu = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    torch.cuda.set_device(gpu)
     layers = [torch.full((2, BLOCKS, WORDS), -1, dtype=torch.int64, device="cuda") for _ in (0, 1)]
     regions = [t[kv] for t in layers for kv in (0, 1)]
     slots = tuple(
@@ -32,7 +36,7 @@ def main() -> int:
         for r, r_t in enumerate(regions)
     )
     torch.cuda.synchronize()
-    print(encode_export(build_export(slots, 0)).hex(), flush=True)
+    print(encode_export(build_export(slots, gpu)).hex(), flush=True)
     for line in sys.stdin:
         op, _, arg = line.strip().partition(" ")
         if op == "exit":
