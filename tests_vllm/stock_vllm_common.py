@@ -77,6 +77,7 @@ def push_config(
     engine_id: str,
     extra: dict[str, Any],
     connector: tuple[str, str | None] = STOCK,
+    kv_buffer_device: str = "cpu",
 ) -> Any:
     name, module_path = connector
     config = vllm_harness.vllm_config(
@@ -85,6 +86,7 @@ def push_config(
         kv_connector_module_path=module_path,
         kv_role=kv_role,
         extra_config=extra,
+        kv_buffer_device=kv_buffer_device,
     )
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.engine_id = engine_id

@@ -86,7 +86,10 @@ class VllmPushEngine:
         num_blocks: int = 64,
         extra: dict[str, Any] | None = None,
         connector: tuple[str, str | None] = STOCK,
+        worker: Any = None,
     ) -> None:
+        """`worker`: builds the worker process (`WorkerProcess`'s arguments; the GPU
+        bench's has its own KV geometry and device)."""
         assert role in ("prefill", "decode")
         self.connector_kind = connector
         self.role = role
@@ -96,7 +99,8 @@ class VllmPushEngine:
         self.port = free_port()
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         extra = {"side_channel_host": self.host, "side_channel_port": self.port, **(extra or {})}
-        self.worker = WorkerProcess(model_dir, kv_role, engine_id, num_blocks, extra, connector)
+        make_worker = worker or WorkerProcess
+        self.worker = make_worker(model_dir, kv_role, engine_id, num_blocks, extra, connector)
         try:
             saved = {k: os.environ.get(k) for k in _SIDE_CHANNEL_ENV}
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host

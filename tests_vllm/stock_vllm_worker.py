@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from stock_vllm_common import (
-    BLOCK_SHAPE,
     CALL_TIMEOUT_S,
     LAYERS,
     fill_blocks,
@@ -126,7 +125,14 @@ def _worker_setup(
     num_blocks: int,
     extra: dict[str, Any],
     connector: tuple[str, str | None],
+    *,
+    layers: tuple[str, ...] = LAYERS,
+    heads: int = vllm_harness.KV_HEADS,
+    head_size: int = vllm_harness.HEAD_SIZE,
+    device: str = "cpu",
 ) -> _WorkerState:
+    """The worker-role connector over per-layer KV tensors `[blocks, heads, block_size,
+    2 * head_size]` on `device` (the GPU bench: CUDA tensors, registered as VRAM)."""
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     affinity = os.sched_getaffinity(0)
     import torch
@@ -142,8 +148,13 @@ def _worker_setup(
         initialize_model_parallel,
     )
 
-    config = push_config(Path(model_dir), kv_role, engine_id, extra, connector)
-    kv_config = vllm_harness.kv_cache_config(num_blocks)
+    if device == "cuda":
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import utils
+
+        # vLLM's CPU platform allows NIXL DRAM KV buffers only; these are CUDA tensors
+        utils._NIXL_SUPPORTED_DEVICE["cpu"] = ("cpu", "cuda")
+    config = push_config(Path(model_dir), kv_role, engine_id, extra, connector, device)
+    kv_config = vllm_harness.kv_cache_config(num_blocks, layers, heads, head_size)
     tmp = tempfile.mkdtemp(prefix="stock-vllm-gloo-")
     with set_current_vllm_config(config):
         # a one-rank gloo group: no port of its own (a file rendezvous)
@@ -158,7 +169,8 @@ def _worker_setup(
         ensure_kv_transfer_initialized(config, kv_config)
     # vLLM's CPU worker pins the process to one core per NUMA node for KV transfers
     os.sched_setaffinity(0, affinity)
-    caches = {name: torch.zeros((num_blocks, *BLOCK_SHAPE), dtype=torch.float32) for name in LAYERS}
+    shape = (num_blocks, heads, vllm_harness.BLOCK_SIZE, 2 * head_size)
+    caches = {name: torch.zeros(shape, dtype=torch.float32, device=device) for name in layers}
     connector = get_kv_transfer_group()
     connector.register_kv_caches(caches)
     key = (get_pp_group().rank_in_group, get_tp_group().rank_in_group)

@@ -18,6 +18,7 @@ def vllm_config(
     extra_config: dict[str, Any] | None = None,
     kv_load_failure_policy: str = "fail",
     engine_id: str | None = None,
+    kv_buffer_device: str = "cpu",
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -44,7 +45,7 @@ def vllm_config(
         kv_connector=kv_connector,
         kv_connector_module_path=kv_connector_module_path,
         kv_role=kv_role,
-        kv_buffer_device="cpu",
+        kv_buffer_device=kv_buffer_device,
         kv_connector_extra_config=extra_config or {},
         kv_load_failure_policy=kv_load_failure_policy,
         **({"engine_id": engine_id} if engine_id is not None else {}),
@@ -58,17 +59,22 @@ def vllm_config(
     )
 
 
-def kv_cache_config(num_blocks: int = 100) -> Any:
+def kv_cache_config(
+    num_blocks: int = 100,
+    layers: tuple[str, ...] = LAYERS,
+    heads: int = 2,
+    head_size: int = 16,
+) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
+        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=torch.float32
     )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
     )
 
 
@@ -139,12 +145,24 @@ KV_HEADS = 2
 HEAD_SIZE = 16
 
 
-def kv_value(request_id: str, layer: int, ordinal: int, tp_rank: int) -> float:
-    """What P's "model" wrote into block `ordinal` of a request, per layer and TP rank."""
+def block_values(request_id: str, layer: int, ordinal: int, rank: int, shape: Any) -> Any:
+    """What P's "model" wrote into block `ordinal` of a request in `layer`, on TP rank
+    `rank` whose block has `shape`: a per-(request, layer, block) base plus each element's
+    index counted across the engine's ranks (rank `r`'s block follows rank `r - 1`'s). A
+    transfer cuts blocks into contiguous chunks by TP ratio (R-T03), so the same formula
+    holds on D at any TP size; exact in float32 (every value below 2**24)."""
     import hashlib
 
-    digest = hashlib.blake2b(f"{request_id}/{layer}/{ordinal}/{tp_rank}".encode(), digest_size=3)
-    return float(int.from_bytes(digest.digest(), "little"))
+    import torch
+
+    count = 1
+    for size in shape:
+        count *= int(size)
+    digest = hashlib.blake2b(f"{request_id}/{layer}/{ordinal}".encode(), digest_size=2)
+    base = (int.from_bytes(digest.digest(), "little") % 2048) * 8192
+    assert count * (rank + 1) <= 8192, "the pattern's element index outgrew its range"
+    first = base + rank * count
+    return torch.arange(first, first + count, dtype=torch.float32).reshape(tuple(shape))
 
 
 def worker_process(
@@ -183,11 +201,14 @@ def worker_process(
     cache = kv_cache_config()
     worker = KVHandoffConnector(config, KVConnectorRole.WORKER, cache)
     heads = KV_HEADS // tp
-    kv = {name: torch.zeros(cache.num_blocks, 2, BLOCK_SIZE, heads, HEAD_SIZE) for name in LAYERS}
+    # vLLM's CUDA layer layout with K and V first, heads before tokens in a block (HND,
+    # which a heterogeneous-TP transfer needs: a TP chunk of a block is a head share)
+    shape = (2, cache.num_blocks, heads, BLOCK_SIZE, HEAD_SIZE)
+    kv = {name: torch.zeros(shape) for name in LAYERS}
     worker.register_kv_caches(kv)
     handshake = worker.get_handshake_metadata()
     conn.send(("ready", handshake.payload, handshake.tp_rank))
-    layers = list(kv.values())
+    layers = [part for tensor in kv.values() for part in tensor]  # K, V of each layer
     while True:
         cmd, *args = conn.recv()
         if cmd == "step":
@@ -195,7 +216,8 @@ def worker_process(
             for request_id, blocks in push.push_finished_blocks.items():
                 for layer, tensor in enumerate(layers):
                     for ordinal, block in enumerate(blocks):
-                        tensor[block].fill_(kv_value(request_id, layer, ordinal, rank))
+                        shape = tensor[block].shape
+                        tensor[block].copy_(block_values(request_id, layer, ordinal, rank, shape))
             worker.bind_connector_metadata(KVHandoffConnectorMetadata(push))
             worker.start_load_kv(None)
             results = worker.get_transfer_results(set(args[1]))
@@ -217,7 +239,10 @@ def worker_process(
         elif cmd == "verify":
             request_id, blocks = args
             ok = all(
-                bool((tensor[block] == kv_value(request_id, layer, ordinal, rank)).all())
+                torch.equal(
+                    tensor[block],
+                    block_values(request_id, layer, ordinal, rank, tensor[block].shape),
+                )
                 for layer, tensor in enumerate(layers)
                 for ordinal, block in enumerate(blocks)
             )

@@ -1,0 +1,40 @@
+"""`bench/vllm_gpu.sh --device cpu --tiny` (issue 28's GPU tier, its CPU mode): both
+connectors, kvhandoff's and vLLM's own push connector, move the same requests between two
+real vLLM Schedulers with their workers in processes of their own; every D block holds
+P's bytes and both engines end with every block free (C-05, R-T01)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_C_05_gpu_bench_cpu_mode_verifies_bytes_and_frees_every_block() -> None:
+    env = dict(os.environ, PY=sys.executable)
+    run = subprocess.run(
+        ["bash", str(ROOT / "bench" / "vllm_gpu.sh"), "--device", "cpu", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["device"] == "cpu"
+    for name in ("kvhandoff", "vllm"):
+        side = result[name]
+        assert side["verified"] and side["all_blocks_free"] and not side["errors"], side
+        assert side["bytes"] == result["requests"] * 4 * 3 * 8192  # 4 blocks, 3 layers
+        assert side["p99_ms"] >= side["p50_ms"] > 0
+    assert result["raw_write"]["verified"]
+    assert result["kvhandoff_over_vllm_gbps"] > 0

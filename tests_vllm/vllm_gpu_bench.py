@@ -1,0 +1,347 @@
+"""P -> D through kvhandoff's `KVHandoffConnector` and through vLLM 0.33's own
+`NixlPushConnector`, the same requests and KV layout, under vLLM's real Schedulers (issue
+28): `bench/vllm_gpu.sh` runs it on the GPU machine, `--device cpu` runs it here.
+
+Each engine is vLLM's v1 Scheduler in this process and one worker process holding the
+worker-role connector, built by vLLM's `ensure_kv_transfer_initialized` as in
+`stock_vllm_worker` (the harness's engines: `stock_vllm_push.VllmPushEngine`), with KV
+tensors of the geometry asked for (`--layers`, `--heads`, `--head-dim`, float32) on
+`--device`: one tensor per layer, `[blocks, heads, block_size, 2 * head_dim]`, the layer
+layout of vLLM's CPU attention backend, which both connectors register as they find it.
+
+vLLM runs on its CPU platform in every process (`VLLM_TARGET_DEVICE=cpu`): the `.py`
+files carried to the GPU machine hold no compiled kernels (`vllm._C*`), which vLLM's CUDA
+platform imports first. What differs from a CUDA engine, printed in the JSON (`differs`):
+the attention backend is CPU_ATTN (its layout above, not FlashAttention's
+`[2, blocks, block_size, heads, head_dim]`); with `--device cuda` the tensors are CUDA
+tensors registered as VRAM (`kv_buffer_device: cuda`), which vLLM's NIXL utilities allow
+for a CUDA platform only, so the worker adds "cuda" to the CPU platform's NIXL buffer
+devices; no model forward: a prefill step "computes" its KV by writing a per-block pattern.
+
+Measured per connector: from P's `request_finished` (vLLM's Scheduler calling the
+connector when the prefill leg ends) to D's `finished_recving` (the step whose connector
+output reports the request), p50/p99 in ms, and GB/s = bytes pushed / (first
+`request_finished` to last `finished_recving`). D's leg is added as soon as P's ends
+(the proxy's hand-off), for both connectors alike. A raw NIXL WRITE of `--raw-mib` between
+two agents of one process is the ceiling. Every D block is checked against P's pattern
+(on the device), both engines drain to every block free; one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+from stock_vllm_common import KVHANDOFF, STOCK, Leg
+from stock_vllm_worker import WorkerProcess
+
+import vllm_harness
+
+CONNECTORS = {"kvhandoff": KVHANDOFF, "vllm": STOCK}
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def pattern(tag: int, ordinal: int, layer: int, nbytes: int, device: Any) -> Any:
+    """The bytes a prefill "computes" for one block of one layer: distinct per word and per
+    (request, block, layer), made on the device."""
+    import torch
+
+    seed = ((tag * 4099 + ordinal) * 257 + layer) * 2654435761 % (1 << 31)
+    words = torch.arange(nbytes // 4, dtype=torch.int64, device=device)
+    return ((words * 40503 + seed) % (1 << 31)).to(torch.int32).view(torch.uint8)
+
+
+class BenchWorkerState:
+    """The worker process's state: `stock_vllm_worker`'s lifecycle, the bench's caches."""
+
+    def __init__(self, geometry: dict[str, Any], setup: Any) -> None:
+        self.g = geometry
+        self.inner = setup
+
+    def step(self, scheduler_output: Any, fills: list[tuple[int, int, int]]) -> Any:
+        self.fill(fills)
+        return self.inner.step(scheduler_output, [])
+
+    def fill(self, fills: list[tuple[int, int, int]]) -> None:
+        import torch
+
+        for block, tag, ordinal in fills:
+            for layer, name in enumerate(self.g["layers"]):
+                view = self.inner.caches[name][block].view(torch.uint8).reshape(-1)
+                view.copy_(pattern(tag, ordinal, layer, view.numel(), view.device))
+        if fills and self.g["device"] == "cuda":
+            torch.cuda.synchronize()  # the WRITE reads VRAM outside torch's streams
+
+    def verify(self, legs: list[tuple[list[int], int]]) -> bool:
+        import torch
+
+        for blocks, tag in legs:
+            for ordinal, block in enumerate(blocks):
+                for layer, name in enumerate(self.g["layers"]):
+                    view = self.inner.caches[name][block].view(torch.uint8).reshape(-1)
+                    want = pattern(tag, ordinal, layer, view.numel(), view.device)
+                    if not torch.equal(view, want):
+                        return False
+        return True
+
+    def state(self) -> Any:
+        return self.inner.state()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _bench_worker_main(conn: Any, args: tuple[Any, ...], geometry: dict[str, Any]) -> None:
+    from stock_vllm_common import serve_commands
+
+    serve_commands(conn, lambda: _bench_setup(args, geometry), lambda s: s.inner.handshake)
+
+
+def _bench_setup(args: tuple[Any, ...], geometry: dict[str, Any]) -> BenchWorkerState:
+    """`stock_vllm_worker`'s worker with the bench's geometry and device."""
+    from stock_vllm_worker import _worker_setup
+
+    inner = _worker_setup(
+        *args,
+        layers=tuple(geometry["layers"]),
+        heads=geometry["heads"],
+        head_size=geometry["head_dim"],
+        device=geometry["device"],
+    )
+    return BenchWorkerState(geometry, inner)
+
+
+class BenchWorker(WorkerProcess):
+    """`WorkerProcess` running `_bench_worker_main` (the bench's geometry and device)."""
+
+    geometry: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, *args: Any) -> None:
+        from stock_vllm_common import worker_context
+
+        context = worker_context()
+        self.conn, child = context.Pipe()
+        self.engine_id = args[2]
+        self.process = context.Process(
+            target=_bench_worker_main, args=(child, args, self.geometry), daemon=True
+        )
+        self.process.start()
+        child.close()
+        try:
+            self.handshake = self._answer("ready")
+        except BaseException:
+            self.close()
+            raise
+
+
+# --------------------------------------------------------------------------- one connector
+
+
+def run_connector(name: str, model_dir: Path, opts: argparse.Namespace) -> dict[str, Any]:
+    from stock_vllm_push import VllmPushEngine
+
+    blocks_per_request = -(-opts.prompt // vllm_harness.BLOCK_SIZE)
+    num_blocks = opts.requests * blocks_per_request + 8  # never a block reused in a run
+    kw = {"num_blocks": num_blocks, "connector": CONNECTORS[name], "worker": BenchWorker}
+    run = uuid.uuid4().hex[:6]
+    p = VllmPushEngine(model_dir, "prefill", f"{name}-p-{run}", **kw)  # type: ignore[arg-type]
+    try:
+        d = VllmPushEngine(model_dir, "decode", f"{name}-d-{run}", **kw)  # type: ignore[arg-type]
+    except BaseException:
+        p.close()
+        raise
+    try:
+        return _measure(name, p, d, opts, blocks_per_request)
+    finally:
+        d.close()
+        p.close()
+
+
+def _measure(name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int) -> dict[str, Any]:
+    finished_at: dict[str, float] = {}
+    connector = p.scheduler.connector
+    for hook in ("request_finished", "request_finished_all_groups"):
+        original = getattr(connector, hook)
+
+        def timed(request: Any, *a: Any, _original: Any = original) -> Any:
+            finished_at.setdefault(request.request_id, time.perf_counter())
+            return _original(request, *a)
+
+        setattr(connector, hook, timed)
+    pairs = [(f"cmpl-{name}-{i}-{uuid.uuid4().hex[:8]}", 1000 + i) for i in range(opts.requests)]
+    d_ids = {p_id: f"{p_id.rsplit('-', 1)[0]}-{uuid.uuid4().hex[:8]}" for p_id, _ in pairs}
+    p_legs = {p_id: p.add_prefill(p_id, tag, opts.prompt) for p_id, tag in pairs}
+    d_legs: dict[str, Leg] = {}
+    received_at: dict[str, float] = {}
+    deadline = time.monotonic() + opts.timeout
+    while len(received_at) < opts.requests:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: {len(received_at)} of {opts.requests} received")
+        p.step()
+        for p_id, leg in p_legs.items():
+            if leg.finished and leg.params is not None and p_id not in d_legs:
+                d_legs[p_id] = d.add_decode(d_ids[p_id], leg.tag, opts.prompt, leg.params)
+        kv_output = d.step()
+        now = time.perf_counter()
+        for rid in (kv_output.finished_recving or ()) if kv_output is not None else ():
+            received_at.setdefault(rid, now)
+    while p.has_work() or d.has_work():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: the engines did not drain")
+        p.step()
+        d.step()
+    legs = list(d_legs.values())
+    assert all(len(leg.blocks) == bpr for leg in legs), [len(leg.blocks) for leg in legs]
+    all_d_blocks = [b for leg in legs for b in leg.blocks]
+    assert len(set(all_d_blocks)) == len(all_d_blocks), "a D block was reused in the run"
+    verified = bool(d.worker.call("verify", [(leg.blocks, leg.tag) for leg in legs]))
+    latencies = [(received_at[d_ids[p_id]] - finished_at[p_id]) * 1e3 for p_id in p_legs]
+    span = max(received_at.values()) - min(finished_at.values())
+    block_bytes = len(BenchWorker.geometry["layers"]) * BenchWorker.geometry["block_bytes"]
+    total = opts.requests * bpr * block_bytes
+    return {
+        "gbps": round(total / span / 1e9, 3),
+        "p50_ms": round(statistics.median(latencies), 3),
+        "p99_ms": round(_quantile(latencies, 0.99), 3),
+        "bytes": total,
+        "verified": verified,
+        "all_blocks_free": bool(p.all_blocks_free() and d.all_blocks_free()),
+        "errors": p.errors + d.errors,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# --------------------------------------------------------------------------- raw WRITE
+
+
+def raw_write(mib: int, device: str, reps: int = 3) -> dict[str, Any]:
+    """One NIXL WRITE of `mib` MiB between two agents of this process (UCX), after one
+    warm-up: the best of `reps`, bytes checked."""
+    import torch
+
+    from kvhandoff.adapters.nixl.agent import NixlAgent
+
+    nbytes = mib << 20
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    mem = "VRAM" if device == "cuda" else "DRAM"
+    tag = uuid.uuid4().hex[:6]
+    a, b = NixlAgent(f"raw-p-{tag}", "UCX"), NixlAgent(f"raw-d-{tag}", "UCX")
+    try:
+        a.register_tensor(src)
+        b.register_tensor(dst)
+        peer = a.add_remote(b.metadata())
+        local = a.prep_local_blocks([(src.data_ptr(), nbytes, 1)], mem)  # type: ignore[arg-type]
+        remote = a.prep_remote_blocks(peer, [(dst.data_ptr(), nbytes, 1)], mem)  # type: ignore[arg-type]
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            handle = a.write(local, [0], remote, [0], b"raw")
+            while (state := a.poll(handle)) == "PROC":
+                pass
+            times.append(time.perf_counter() - t0)
+            a.release(handle)
+            assert state == "DONE", state
+        ok = bool(torch.equal(src, dst))
+    finally:
+        a.close()
+        b.close()
+    return {"gbps": round(nbytes / min(times[1:]) / 1e9, 3), "bytes": nbytes, "verified": ok}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a few small requests (tests)")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--prompt", type=int, default=None, help="tokens per request")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--raw-mib", type=int, default=None)
+    parser.add_argument("--connectors", default="kvhandoff,vllm")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    opts = parser.parse_args(argv)
+    tiny = opts.tiny
+    defaults = (4, 100, 3, 2, 16, 16) if tiny else (16, 1000, 32, 8, 128, 1024)
+    for key, value in zip(
+        ("requests", "prompt", "layers", "heads", "head_dim", "raw_mib"), defaults, strict=True
+    ):
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    assert opts.prompt < 1024, "the harness's max_model_len is 1024"
+    BenchWorker.geometry = {
+        "device": opts.device,
+        "layers": [f"model.layers.{i}.self_attn.attn" for i in range(opts.layers)],
+        "heads": opts.heads,
+        "head_dim": opts.head_dim,
+        "block_bytes": opts.heads * vllm_harness.BLOCK_SIZE * 2 * opts.head_dim * 4,
+    }
+    from kvhandoff.integrations.vllm.bench import TINY_LLAMA
+
+    model_dir = Path(f"/tmp/kvh-gpu-bench-model-{os.getpid()}")
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    result: dict[str, Any] = {
+        "device": opts.device,
+        "requests": opts.requests,
+        "prompt_tokens": opts.prompt,
+        "geometry": {k: v for k, v in BenchWorker.geometry.items() if k != "layers"}
+        | {"layers": opts.layers, "block_size": vllm_harness.BLOCK_SIZE, "dtype": "float32"},
+        "differs": [
+            "vLLM on its CPU platform (no compiled kernels carried): attention backend CPU_ATTN,"
+            " KV per layer [blocks, heads, block_size, 2*head_dim]",
+            "no model forward: a prefill step writes a per-block pattern into its blocks",
+        ]
+        + (
+            [
+                "CUDA tensors registered as VRAM (kv_buffer_device cuda, allowed on the CPU"
+                " platform by a patch of vLLM's NIXL device table in the worker)"
+            ]
+            if opts.device == "cuda"
+            else []
+        ),
+    }
+    for name in opts.connectors.split(","):
+        result[name] = run_connector(name, model_dir, opts)
+    result["raw_write"] = raw_write(opts.raw_mib, opts.device)
+    kvh, vl, raw = result.get("kvhandoff"), result.get("vllm"), result["raw_write"]
+    if kvh and vl:
+        result["kvhandoff_over_vllm_gbps"] = round(kvh["gbps"] / vl["gbps"], 3)
+        result["vllm_over_kvhandoff_p50"] = round(vl["p50_ms"] / kvh["p50_ms"], 3)
+    if kvh:
+        result["kvhandoff_over_raw_gbps"] = round(kvh["gbps"] / raw["gbps"], 3)
+    if vl:
+        result["vllm_over_raw_gbps"] = round(vl["gbps"] / raw["gbps"], 3)
+    ok = all(
+        r["verified"] and r.get("all_blocks_free", True) and not r.get("errors")
+        for r in (result.get("kvhandoff"), result.get("vllm"), raw)
+        if r
+    )
+    result["ok"] = ok
+    print(json.dumps(result), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
