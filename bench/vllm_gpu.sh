@@ -29,8 +29,13 @@ else
     mkdir -p "$SITE/py" "$SITE/kvh"
     for archive in "$CARRY"/vllm-py.tar.xz "$CARRY"/nixl-cu13.tar.xz; do
       [ -f "$archive" ] || { echo "missing $archive: run tools/pack_vllm_py.py and carry .carry" >&2; exit 2; }
-      tar -xJf "$archive" -C "$SITE/py"
+      # Console scripts of wheels sit outside site-packages ("../../../bin"): skip them.
+      tar -xJf "$archive" -C "$SITE/py" --exclude="../*"
     done
+    # The carried packages' metadata (importlib.metadata.version asks for some), if packed.
+    [ ! -f "$CARRY"/dist-info.tar.xz ] || tar -xJf "$CARRY"/dist-info.tar.xz -C "$SITE/py"
+    # Every .py of vLLM, if packed (what the trace missed: the model registry's subprocess).
+    [ ! -f "$CARRY"/vllm-full.tar.xz ] || tar -xJf "$CARRY"/vllm-full.tar.xz -C "$SITE/py"
     # kvhandoff itself, built from this tree (setuptools is in the image; no index)
     "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --no-compile \
       --target "$SITE/kvh" "$ROOT" >&2
