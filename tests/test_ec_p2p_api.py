@@ -4,6 +4,7 @@ is given (issue 4). The local-tier halves are tested in `test_ec_api.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -426,3 +427,23 @@ def test_C_03_stock_consumer_grant_released_by_read_notif_and_hostile_notifs_cou
             scheduler.on_read_notif("evil", junk, sim.clock.now)
     counters = scheduler.producer  # type: ignore[union-attr]
     assert counters is not None and (counters.late_notifs, counters.remote_errors) == (1, 3)
+
+
+def test_R_E07_an_input_already_computed_triggers_no_remote_read() -> None:
+    """vLLM 0.33: a feature whose positions the engine computed (`num_computed_tokens`
+    at or past its end) is not read from the producer; the request is schedulable."""
+    sim = Sim(41)
+    params = produce(sim, "h", 2)
+    scheduler = sim.consumer.scheduler
+    asked: list[SendXferReq] = []
+    scheduler.bus.handle(SendXferReq, lambda _inst, effect: asked.append(effect))
+    req = dataclasses.replace(
+        request("c1", *params, tokens=tokens_of(params), ec_transfer_params=params),
+        mm_ends=(10,),
+    )
+    assert scheduler.ensure_cache_available(req, 10, sim.clock.now)
+    assert scheduler.consumer is not None and not scheduler.consumer.has_reads()
+    assert asked == [] and scheduler.local_reason("c1", "h") == ""
+    fresh = dataclasses.replace(req, request_id="c2")
+    assert not scheduler.ensure_cache_available(fresh, 9, sim.clock.now), "one token short"
+    assert scheduler.consumer.has_reads() and len(asked) == 1

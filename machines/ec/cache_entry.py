@@ -26,7 +26,9 @@ and tells the eviction order when it becomes evictable or not (`MarkEvictable`);
 `EmbeddingCache` executes those effects.
 
 Tags: `awaiting_bytes` (allocated: a save or READ destination), `loadable` (ready or
-pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody).
+pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody),
+`held` (allocated or pinned: a save, READ or load is unconfirmed, or someone holds it;
+the engine must keep stepping, as vLLM 0.33's connector keeps it).
 """
 
 from __future__ import annotations
@@ -148,11 +150,11 @@ EC_CACHE_ENTRY: Declaration[EntryCtx] = Declaration(
     ),
     states=[
         # Its bytes are not there yet: a save or a READ is filling it.
-        {"name": "allocated", "tags": ("awaiting_bytes",)},
+        {"name": "allocated", "tags": ("awaiting_bytes", "held")},
         # Its bytes are there and nobody holds it: FIFO may evict it.
         {"name": "ready", "tags": ("loadable", "evictable")},
         # Its bytes are there and someone holds it: never evicted.
-        {"name": "pinned", "tags": ("loadable",)},
+        {"name": "pinned", "tags": ("loadable", "held")},
         {"name": "evicted", "final": True},
     ],
     initial="allocated",

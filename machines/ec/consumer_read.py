@@ -20,7 +20,9 @@ checking the announced size against the request and the layout (S-04).
   released them and reallocated next step, evicting a ready entry per step). The next
   scheduler step `send`s again. Beyond the seed the retries are bounded by count
   (`consumer_max_not_ready_retries`) and by time (`consumer_not_ready_timeout_s` since
-  the first `XferReq`); past either the last NACK_NOT_READY falls back.
+  the first `XferReq`); past either the last NACK_NOT_READY falls back. The time budget is
+  checked at each step too: a retry due after it falls back (`not_ready_timeout`) instead
+  of asking again.
 - any other NACK, `ack_timeout` (after `consumer_ack_timeout_s`, 2 s), or
   `peer_disconnected` before the READ: `-> fallback_local`; the destination is discarded
   and every waiter encodes locally (`read_fell_back`).
@@ -241,6 +243,10 @@ def _may_retry(ctx: ReadCtx, event: Ack) -> bool:
     )
 
 
+def _not_ready_budget_spent(ctx: ReadCtx, event: Send) -> bool:
+    return event.at - ctx.first_sent_at >= ctx.not_ready_s
+
+
 # -- actions -------------------------------------------------------------------------
 
 
@@ -314,6 +320,10 @@ def _fall_back(ctx: ReadCtx, reason: str, *, keep_blocks: bool = False) -> list[
 
 def _nacked(ctx: ReadCtx, event: Ack) -> list[Effect]:
     return _fall_back(ctx, str(event.ack.status))
+
+
+def _not_ready_expired(ctx: ReadCtx, event: Send) -> list[Effect]:
+    return _fall_back(ctx, "not_ready_timeout")
 
 
 def _ack_timed_out(ctx: ReadCtx, event: AckTimeout) -> list[Effect]:
@@ -403,6 +413,13 @@ EC_CONSUMER_READ: Declaration[ReadCtx] = Declaration(
     transitions=[
         {
             "trigger": Send,
+            "source": "retry_next_step",
+            "dest": "fallback_local",
+            "conditions": "not_ready_budget_spent",
+            "after": "not_ready_expired",
+        },
+        {
+            "trigger": Send,
             "source": ["needed", "retry_next_step"],
             "dest": "xfer_req_sent",
             "after": "send",
@@ -466,6 +483,8 @@ EC_CONSUMER_READ: Declaration[ReadCtx] = Declaration(
     callbacks={
         "granted": _granted,
         "may_retry": _may_retry,
+        "not_ready_budget_spent": _not_ready_budget_spent,
+        "not_ready_expired": _not_ready_expired,
         "send": _send,
         "join": _join,
         "leave": _leave,

@@ -89,6 +89,10 @@ class ECRequestInfo:
     mm_modalities: tuple[str, ...] = ()
     """Modality of each multimodal input, in `mm_hashes` order (optional; published as
     vLLM's `modality`)."""
+    mm_ends: tuple[int, ...] = ()
+    """Prompt position just past each multimodal input (vLLM's `mm_position.offset +
+    length`), in `mm_hashes` order; an input with `num_computed_tokens` at or past it is
+    computed already and needs no encoding (optional: none means not known)."""
 
 
 @dataclass(frozen=True, slots=True)

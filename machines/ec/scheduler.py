@@ -129,6 +129,8 @@ class ECScheduler(P2PAdapterEvents):
         self.rejections = RejectionLog(log, what="worker report")
         self.report_counts = {"stale": 0, "duplicate": 0, "misdirected": 0, "refused": 0}
         self.bad_params = 0
+        self.loads_shared = 0
+        """Allocations served by a load of the same `mm_hash` already staged this step."""
         self.closed = False
         self._transfer_serials = itertools.count(1)
         self.bus.handle(FailRequest, self._request_failed)
@@ -198,6 +200,17 @@ class ECScheduler(P2PAdapterEvents):
         self._open("poll")
         return self.bus.fire_due(now)
 
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for this connector (vLLM 0.33's
+        `has_pending_push_work`): while a save or a load is unconfirmed or an entry is held
+        (R-E05), while a P2P read is in flight, and always on a P2P producer, whose work
+        (`XferReq`s, READ notifs, pin leases) arrives from peers between requests."""
+        self._open("has_pending_work")
+        if self.producer is not None or self.cache.has_held():
+            return True
+        consumer = self.consumer
+        return consumer is not None and consumer.has_reads()
+
     def local_reason(self, request_id: str, mm_hash: str) -> str:
         """Why `mm_hash` of a live request is encoded locally ("" if it is not)."""
         inst = self.bus.get(EC_REQUEST, request_id)
@@ -242,6 +255,7 @@ class ECScheduler(P2PAdapterEvents):
         if not inst.has("unsettled"):
             return inst.has("schedulable")
         tokens = _tokens_by_hash(request)
+        computed = _computed(request, num_computed_tokens)
         for mm_hash in inst.ctx.mm_hashes:
             key = (rid, mm_hash)
             item = bus.get(EC_SETTLEMENT, key)
@@ -249,7 +263,10 @@ class ECScheduler(P2PAdapterEvents):
                 item = bus.create(EC_SETTLEMENT, SettlementCtx(key), now)
             elif not item.has("unsettled"):
                 continue
-            consider = self._consider(inst.ctx, mm_hash, tokens.get(mm_hash, 0))
+            if mm_hash in computed:  # vLLM 0.33: nothing to read for what is computed
+                consider = Consider(computed=True)
+            else:
+                consider = self._consider(inst.ctx, mm_hash, tokens.get(mm_hash, 0))
             bus.dispatch(EC_SETTLEMENT, key, consider, now)
             if not inst.has("unsettled"):  # failed: an encoding it had no media for is lost
                 return False
@@ -305,6 +322,14 @@ class ECScheduler(P2PAdapterEvents):
         mm_hash, tokens = _input(request, index)
         self.bus.advance(now)
         cache, rid = self.cache, request.request_id
+        if self.has_cache_item(mm_hash) and self._load_staged(mm_hash):
+            # Asked again in the same step (another request, or the same input twice):
+            # one load serves both, as in vLLM 0.33; this request's pin goes back.
+            held = self.bus.get(EC_SETTLEMENT, (rid, mm_hash))
+            if held is not None and held.has("holds_pin"):
+                self.bus.dispatch(EC_SETTLEMENT, held.key, Release(), now)
+            self.loads_shared += 1
+            return
         if self.has_cache_item(mm_hash):
             transfer_id = next(self._transfer_serials)
             held = self.bus.get(EC_SETTLEMENT, (rid, mm_hash))
@@ -322,6 +347,13 @@ class ECScheduler(P2PAdapterEvents):
             if entry is not None:
                 transfer_id = next(self._transfer_serials)
                 self._plan(transfer_id, mm_hash, "save", entry.ctx.blocks, tokens, rid, now)
+
+    def _load_staged(self, mm_hash: str) -> bool:
+        """Whether a load of `mm_hash` waits for this step's `build_connector_meta`."""
+        return any(
+            inst.ctx.mm_hash == mm_hash and inst.ctx.direction == "load"
+            for inst in self.bus.tagged(EC_TRANSFER, "staged")
+        )
 
     def _plan(
         self,
@@ -475,6 +507,19 @@ class ECScheduler(P2PAdapterEvents):
         if self.producer is not None:
             out["producer_remote_errors"] = self.producer.remote_errors
         return out
+
+
+def _computed(request: ECRequest, num_computed_tokens: int) -> set[str]:
+    """The inputs of `request` the engine computed already (their end position is at or
+    before `num_computed_tokens`); `mm_ends` is optional on an engine's request."""
+    ends = getattr(request, "mm_ends", ()) or ()
+    if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
+        return set()
+    return {
+        h
+        for h, end in zip(request.mm_hashes, ends, strict=False)
+        if isinstance(end, int) and end <= num_computed_tokens
+    }
 
 
 def _tokens_by_hash(request: ECRequest) -> dict[str, int]:

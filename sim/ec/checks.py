@@ -51,7 +51,11 @@ def check_read_retired(world: SimulatedECWorld, inst: Instance[Any]) -> None:
     if inst.has("landed"):
         world.reads_done.add(str(inst.key))
     elif inst.has("fell_back"):
-        if reason not in READ_FALLBACKS and not (reason == "NACK_NOT_READY" and spent):
+        # The not-ready budget ends a read at a NACK or at the step it is due (R-E08).
+        budget = (reason == "NACK_NOT_READY" and spent) or (
+            reason == "not_ready_timeout" and timed_out
+        )
+        if reason not in READ_FALLBACKS and not budget:
             world.violation(f"read of {inst.key} fell back for {reason!r}")
     elif inst.has("quarantine_ended") and reason not in QUARANTINE_REASONS:
         world.violation(f"read of {inst.key} quarantined for {reason!r}")
