@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -488,13 +489,7 @@ def test_S_03_a_consumer_over_its_pin_caps_is_nacked(peer_grants: int, total_gra
     key = (b"peer", "t1")
     create_grant(bus, key)
     check = check_of(a_request(), "ready")
-    over = Check(
-        **{
-            **{f: getattr(check, f) for f in Check.__dataclass_fields__},
-            "peer_grants": peer_grants,
-            "total_grants": total_grants,
-        }
-    )
+    over = dataclasses.replace(check, peer_grants=peer_grants, total_grants=total_grants)
     bus.dispatch(EC_PRODUCER_GRANT, key, over, 0.0)
     out = effects(bus)
     (reply,) = [e for e in out if isinstance(e, SendXferAck)]

@@ -56,7 +56,14 @@ from dataclasses import dataclass, field
 
 from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
 from kvhandoff.machines.ec.consumer_read_effects import (
+    Ack,
+    AckTimeout,
     IssueRead,
+    QuarantineOver,
+    ReadDone,
+    ReadFailed,
+    ReadReleased,
+    ReadTimeout,
     ReleaseRead,
     SendXferDone,
     SendXferReq,
@@ -71,7 +78,7 @@ from kvhandoff.machines.ec.events import (
 from kvhandoff.machines.ec.settlement import EC_SETTLEMENT, SettlementKey
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Emit, Metric
-from kvhandoff.machines.runtime.events import Event, PeerEvent
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
     DEFAULT_NIXL_READ_TIMEOUT_S,
@@ -187,45 +194,6 @@ class Leave(Event):
     """Settlement `waiter` no longer waits (its request finished)."""
 
     waiter: SettlementKey
-
-
-@dataclass(frozen=True, slots=True)
-class Ack(PeerEvent):
-    """The producer's answer to the current attempt, received at `at` (checked against it
-    and against the peer it came from by the scheduler)."""
-
-    ack: XferAck
-    at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReadDone(PeerEvent):
-    """NIXL: the READ of the current attempt completed (its handle is released)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadFailed(PeerEvent):
-    """NIXL: the READ of the current attempt failed (its handle is released)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadReleased(Event):
-    """The adapter released the quarantined READ's handle (`ReleaseRead`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AckTimeout(Event):
-    """No ack within `consumer_ack_timeout_s`."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadTimeout(Event):
-    """The READ did not complete within `nixl_read_timeout_s`."""
-
-
-@dataclass(frozen=True, slots=True)
-class QuarantineOver(Event):
-    """`read_quarantine_s` passed: time to cancel the DMA and free the destination."""
 
 
 # -- guards --------------------------------------------------------------------------
