@@ -16,6 +16,7 @@ from kvhandoff.machines.ec.notices import EC_LANDED_COPY, EC_REQUEST_FAILURE
 from kvhandoff.machines.ec.planned_save import EC_PLANNED_SAVE, PlannedSaveCtx
 from kvhandoff.machines.ec.producer_agent import EC_PRODUCER_AGENT, AgentCtx
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT, Check, XferDone
+from kvhandoff.machines.ec.publication_hold import EC_PUBLICATION_HOLD
 from kvhandoff.machines.ec.read_handle import EC_READ_HANDLE, ReadHandleCtx
 from kvhandoff.machines.ec.request import (
     EC_REQUEST,
@@ -394,6 +395,14 @@ def test_R_E12_B_08_read_handle_model() -> None:
         max_examples=30,
         context=st.fixed_dictionaries({"mm_hash": st.just("h"), "agent": st.just("p")}),
         invariants=[read_handle_tags],
+    )
+
+
+def test_R_E06_B_01_publication_hold_model() -> None:
+    model_test(
+        EC_PUBLICATION_HOLD,
+        max_examples=20,
+        context=st.fixed_dictionaries({}),
     )
 
 
