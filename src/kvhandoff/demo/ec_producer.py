@@ -206,7 +206,9 @@ class ProducerLoop:
             encoded += len(group)
             pace(self.opts, busy=bool(group))
         self.held.clear()  # held saves land now; grants end with XferDone or the pin lease
-        until = min(self.deadline, time.monotonic() + side.extra.pin_lease_s + 2.0)
+        # Grants end by their lease at the latest, publication holds by theirs (R-E06).
+        lease_s = max(side.extra.pin_lease_s, side.extra.producer_publish_pin_s)
+        until = min(self.deadline, time.monotonic() + lease_s + 2.0)
         settle(side, self.opts, until, lambda: self._step([]))
         return {
             "role": "producer",
