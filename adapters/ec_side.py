@@ -336,7 +336,9 @@ class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
             return 0
         for sender, message in notifs:
             try:
-                self.scheduler.on_read_notif(sender, message, now)
+                if not self.scheduler.on_read_notif(sender, message, now):
+                    # Late (its lease ended) or naming nobody's grant: counted, logged (S-06).
+                    self.rejections.reject(sender, "READ notif names no live grant", now)
             except RemoteProtocolError as exc:  # bad bytes never stop the producer's step
                 self.rejections.reject(sender, exc, now)
         return len(notifs)
@@ -421,6 +423,7 @@ class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
             out.update(
                 agents_loaded=reader.agents_loaded,
                 agents_forgotten=reader.agents_forgotten,
+                foreign_agents_refused=reader.foreign_agents,
                 read_post_failures=reader.post_failures,
                 reads_abandoned=reader.abandoned,
             )

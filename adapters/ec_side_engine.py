@@ -81,8 +81,9 @@ class EngineCalls:
         return False, (params or None)
 
     def has_pending_push_work(self) -> bool:
-        """The tier never pushes (the consumer READs, R-E11)."""
-        return False
+        """vLLM's name for "keep stepping": true while a save or a load is unconfirmed, a
+        read lives, or this is a P2P producer (`ECScheduler.has_pending_work`)."""
+        return not self._closed and self.scheduler.has_pending_work()
 
     def _poll(self, now: float) -> int:
         raise NotImplementedError

@@ -54,10 +54,10 @@ class ProducerEdges:
         while self._gone_consumers:
             self.scheduler.on_consumer_disconnected(self._gone_consumers.pop(0), now)
             handled += 1
-        for peer, payload in server.poll_requests():
+        for peer, payload, host in server.poll_messages():
             handled += 1
             try:
-                self.scheduler.on_producer_message(peer, payload, now)
+                self.scheduler.on_producer_message(peer, payload, now, host=host)
             except RemoteProtocolError as exc:  # bad bytes never stop the producer's step
                 self.rejections.reject(peer.hex(), exc, now)
             except KvHandoffError as exc:

@@ -267,4 +267,7 @@ class PushRank(RankWriterSide):
     # -- observation ------------------------------------------------------------------------
 
     def rejected_notifs(self) -> int:
-        return self.writer.rejected_notifs + self.worker.rejected_notifs
+        """Notifs rejected by the writer and the main thread, and malformed bundles the
+        transport dropped before splitting them (S-06)."""
+        bundles = getattr(self.transport, "rejected_bundles", 0)
+        return self.writer.rejected_notifs + self.worker.rejected_notifs + int(bundles)

@@ -15,6 +15,7 @@ from kvhandoff.machines.ec.notices import EC_LANDED_COPY, EC_REQUEST_FAILURE
 from kvhandoff.machines.ec.planned_save import EC_PLANNED_SAVE
 from kvhandoff.machines.ec.producer_agent import EC_PRODUCER_AGENT
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
+from kvhandoff.machines.ec.publication_hold import EC_PUBLICATION_HOLD
 from kvhandoff.machines.ec.read_handle import EC_READ_HANDLE
 from kvhandoff.machines.ec.request import EC_REQUEST
 from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
@@ -52,6 +53,7 @@ EC_DECLARATIONS: tuple[Declaration[Any], ...] = (
     EC_CONSUMER_READ,
     EC_PRODUCER_GRANT,
     EC_PRODUCER_AGENT,
+    EC_PUBLICATION_HOLD,
     EC_READ_HANDLE,
     EC_REQUEST,
     EC_REQUEST_FAILURE,

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_NIXL_READ_TIMEOUT_S",
     "DEFAULT_NOT_READY_TIMEOUT_S",
     "DEFAULT_PIN_LEASE_S",
+    "DEFAULT_PUBLISH_PIN_S",
     "DEFAULT_READ_QUARANTINE_S",
     "DEFAULT_SIDE_CHANNEL_HOST",
     "DEFAULT_SIDE_CHANNEL_PORT",
@@ -59,6 +60,7 @@ DEFAULT_CONSUMER_ACK_TIMEOUT_S: Final[float] = 2.0
 DEFAULT_NIXL_READ_TIMEOUT_S: Final[float] = 20.0
 DEFAULT_READ_QUARANTINE_S: Final[float] = 60.0
 DEFAULT_PIN_LEASE_S: Final[float] = 30.0
+DEFAULT_PUBLISH_PIN_S: Final[float] = 5.0
 DEFAULT_NOT_READY_TIMEOUT_S: Final[float] = 60.0
 DEFAULT_ZMQ_HEARTBEAT_INTERVAL_S: Final[float] = 2.0
 DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S: Final[float] = 4.0
@@ -80,6 +82,7 @@ TIMEOUT_KEYS: Final[dict[str, float]] = {
     "nixl_read_timeout_s": DEFAULT_NIXL_READ_TIMEOUT_S,
     "read_quarantine_s": DEFAULT_READ_QUARANTINE_S,
     "pin_lease_s": DEFAULT_PIN_LEASE_S,
+    "producer_publish_pin_s": DEFAULT_PUBLISH_PIN_S,
     "consumer_not_ready_timeout_s": DEFAULT_NOT_READY_TIMEOUT_S,
     "zmq_heartbeat_interval_s": DEFAULT_ZMQ_HEARTBEAT_INTERVAL_S,
     "zmq_heartbeat_timeout_s": DEFAULT_ZMQ_HEARTBEAT_TIMEOUT_S,
@@ -129,6 +132,10 @@ class ECExtraConfig:
     """How long a timed-out READ's destination stays quarantined, unevicted (R-E12)."""
     pin_lease_s: float = DEFAULT_PIN_LEASE_S
     """How long a producer keeps an unclaimed grant pinned (R-E12)."""
+    producer_publish_pin_s: float = DEFAULT_PUBLISH_PIN_S
+    """How long at most a producer keeps a just-published encoding pinned, until its first
+    READ completes, so a consumer that asks promptly is served before FIFO eviction can
+    take it (R-E06, B-01; `ec.publication_hold`)."""
     consumer_not_ready_timeout_s: float = DEFAULT_NOT_READY_TIMEOUT_S
     """For how long after its first `XferReq` a read retries `NACK_NOT_READY` (R-E08; the
     count is bounded too, by the machine config `consumer_max_not_ready_retries`)."""

@@ -179,3 +179,54 @@ def test_generated_pages_carry_the_quiet_events_table() -> None:
     assert "```mermaid" in lease
     if any(quiet_events(d) for d in DECLARATIONS if d.name == "push.p_lease"):
         assert "| event | in | what happens |" in lease
+
+
+@dataclass(frozen=True, slots=True)
+class Look(Event):
+    near: bool = False
+
+
+def _near(ctx: Ctx, event: Look) -> bool:
+    return event.near
+
+
+def _deciding(internal: bool = False) -> Declaration[Ctx]:
+    return Declaration(
+        name="t.deciding",
+        context=Ctx,
+        states=[{"name": "a"}, {"name": "b"}, {"name": "far"}, {"name": "done", "final": True}],
+        initial="a",
+        transitions=[
+            {"trigger": Look, "source": "a", "dest": "b", "conditions": "near"},
+            (
+                {"trigger": Look, "source": "b", "dest": None, "conditions": "near"}
+                if internal
+                else {"trigger": Look, "source": "b", "dest": "b", "conditions": "near"}
+            ),
+            {"trigger": Look, "source": ["a", "b"], "dest": "far"},
+            {"trigger": Go, "source": ["a", "b", "far"], "dest": "done"},
+        ],
+        callbacks={"near": _near},
+    )
+
+
+def test_the_same_choice_in_several_states_goes_through_one_decision_point() -> None:
+    """`b` re-entering itself on `look [near]` is what `a` does too (it goes to `b`):
+    both choose alike, so each alternative is drawn once, out of one diamond."""
+    edges = _edges(render_mermaid(_deciding()))
+    assert "a --> decide_look" in edges and "b --> decide_look" in edges
+    assert "decide_look --> b: look [near]" in edges
+    assert "decide_look --> far: look" in edges
+    assert sum(e.endswith(": look [near]") for e in edges) == 1
+    # An internal transition (b stays, no re-entry) is another choice: drawn per state.
+    edges = _edges(render_mermaid(_deciding(internal=True)))
+    assert not any("decide_" in e for e in edges)
+    assert "a --> b: look [near]" in edges and "b --> far: look" in edges
+
+
+def test_the_ec_settlement_draws_each_of_its_choices_once() -> None:
+    decl = next(d for d in DECLARATIONS if d.name == "ec.settlement")
+    edges = _edges(mermaid_of(decl))
+    for label in ("consider [computed]", "consider [loadable]", "consider [own_save_pending]"):
+        assert sum(label in e for e in edges) == 1, label
+    assert "new --> decide_consider" in edges and "awaiting_save --> decide_consider" in edges

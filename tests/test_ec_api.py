@@ -301,3 +301,44 @@ def test_R_E02_publication_without_p2p_is_encoded_locally() -> None:
         request("r", "h", tokens=1, ec_transfer_params=params), 0, NOW
     )
     assert "P2P is off" in scheduler.local_reason("r", "h")
+
+
+def test_R_E05_has_pending_work_while_a_save_or_a_load_is_unconfirmed() -> None:
+    """The engine keeps stepping (vLLM 0.33's `has_pending_push_work`) while a save or a
+    load is dispatched but not confirmed, and stops once both are."""
+    scheduler, worker = local("ec_both")
+    assert not scheduler.has_pending_work(), "idle"
+    alloc(scheduler, "r1", "h", 3)
+    assert scheduler.has_pending_work(), "a save is planned"
+    _, copies = run_step(scheduler, worker, land=False)
+    assert scheduler.has_pending_work(), "the save is not confirmed"
+    worker.on_copy_done(copies[0].batch_id, NOW)
+    scheduler.update_connector_output(worker.build_connector_worker_meta(NOW), NOW)
+    scheduler.request_finished(request("r1", "h"), NOW)
+    assert not scheduler.has_pending_work(), "saved and confirmed"
+    assert scheduler.ensure_cache_available(request("r2", "h"), 0, NOW)
+    alloc(scheduler, "r2", "h", 3)
+    _, copies = run_step(scheduler, worker, land=False)
+    assert scheduler.has_pending_work(), "the load is not confirmed"
+    worker.on_copy_done(copies[0].batch_id, NOW)
+    scheduler.update_connector_output(worker.build_connector_worker_meta(NOW), NOW)
+    scheduler.request_finished(request("r2", "h"), NOW)
+    assert not scheduler.has_pending_work(), "loaded and confirmed"
+
+
+def test_R_E05_the_same_mm_hash_asked_twice_in_one_step_is_loaded_once() -> None:
+    """Two requests of one encoding allocated in the same step: one load (vLLM 0.33
+    loads an `mm_hash` once per step), and no pin is left behind once it lands."""
+    scheduler, worker = local("ec_both")
+    encode(scheduler, worker, "r1", "h", 3)
+    scheduler.request_finished(request("r1", "h"), NOW)
+    for rid in ("r2", "r3"):
+        assert scheduler.ensure_cache_available(request(rid, "h", tokens=3), 0, NOW)
+        alloc(scheduler, rid, "h", 3)
+    meta, _ = run_step(scheduler, worker)
+    assert [item.mm_hash for item in meta.loads] == ["h"]
+    assert scheduler.loads_shared == 1
+    for rid in ("r2", "r3"):
+        scheduler.request_finished(request(rid, "h"), NOW)
+    assert scheduler.cache.state("h") == "ready", "every pin given back"
+    scheduler.cache.check()

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.adapters.ec_side import ECSide
-from kvhandoff.adapters.zmq.control import ControlClient, ControlServer
+from kvhandoff.adapters.zmq.control import MAX_REQUEST_BYTES, ControlClient, ControlServer
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
 from kvhandoff.protocol.ec_status import XferStatus, compatibility_hash
@@ -71,7 +71,7 @@ _payloads = st.one_of(
             {"kind": "XferReq", "version": 1, "transfer_id": "t", "mm_hash": "m"}
         )
     ),
-    st.just(b"\x00" * (1 << 20)),  # a megabyte of junk (under the socket cap)
+    st.just(b"\x00" * (MAX_REQUEST_BYTES + 1)),  # over the request cap, under the socket's
 )
 
 
@@ -231,3 +231,41 @@ def test_S_01_consumer_dealer_survives_any_frames_then_serves(
     assert sched.local_reason(info.request_id, mm_hash) == "NACK_MISSING"
     sched.request_finished(info, cons.clock())
     assert cons.rejected > before, "the hostile message was counted"
+
+
+def test_R_E07_a_read_in_flight_keeps_the_engine_stepping(
+    consumer: tuple[ECSide, ControlServer],
+) -> None:
+    """While a read awaits its ack the engine must keep stepping (vLLM 0.33 keeps it
+    stepping with NIXL on), or its ack and its timeout would never be seen; once it is
+    settled and the request finished, nothing holds the engine."""
+    cons, producer = consumer
+    mm_hash = f"img-pending-{next(_serial)}"
+    params = {
+        mm_hash: {
+            "metadata": {"grid": [1, 2, 2]},
+            "peer_host": "127.0.0.1",
+            "peer_port": producer.port,
+            "size_bytes": 2 * BLOCK,
+        }
+    }
+    info = ECRequestInfo(f"r-{mm_hash}", (mm_hash,), ec_transfer_params=params, mm_tokens=(2,))
+    sched = cons.scheduler
+    assert not sched.ensure_cache_available(info, 0, cons.clock())
+    assert cons.has_pending_push_work(), "a read is in flight"
+    asked: list[tuple[bytes, bytes]] = []
+
+    def requested() -> bool:
+        cons.poll()
+        asked.extend(producer.poll_requests())
+        return bool(asked)
+
+    until(requested, "the consumer's XferReq")
+    nack = encode_xfer_ack(XferAck(mm_hash, XferStatus.NACK_MISSING))
+    producer._live().send_multipart([asked[-1][0], b"", nack])
+    until(
+        lambda: cons.poll() >= 0 and sched.ensure_cache_available(info, 0, cons.clock()),
+        "the read to settle",
+    )
+    sched.request_finished(info, cons.clock())
+    assert not cons.has_pending_push_work(), "settled: nothing holds the engine"

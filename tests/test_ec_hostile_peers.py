@@ -13,11 +13,12 @@ from test_ec_p2p_api import PRODUCER, consumer_request, produce, tokens_of
 
 from kvhandoff.adapters.ec_side_consumer import ConsumerEdges
 from kvhandoff.adapters.nixl.ec_reader import ECNixlReader
-from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, IssueRead
+from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ, IssueRead, SendXferReq
+from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.p2p import random_transfer_id
 from kvhandoff.machines.ec.scheduler import ECScheduler
 from kvhandoff.machines.runtime.clock import VirtualClock
-from kvhandoff.machines.runtime.rejections import RejectionLog
+from kvhandoff.machines.runtime.rejections import OTHER_PEERS, RejectionLog
 from kvhandoff.protocol.ec_status import XferStatus
 from kvhandoff.protocol.ec_wire import XferAck, encode_xfer_ack
 from kvhandoff.protocol.errors import RemoteProtocolError
@@ -149,3 +150,62 @@ def test_R_E08_a_READ_that_cannot_be_posted_is_reported_failed_once() -> None:
         ("g", "t2", False),
     ]
     assert reader.poll(lambda mm_hash, transfer_id: True) == []
+
+
+def _asked_sessions(scheduler: ECScheduler, peers: list[tuple[str, int]]) -> list[str]:
+    sent: list[SendXferReq] = []
+    scheduler.bus.handle(SendXferReq, lambda _inst, effect: sent.append(effect))
+    for i, (host, port) in enumerate(peers):
+        params = {
+            f"img-{i}": {
+                "metadata": {"m": 1},
+                "peer_host": host,
+                "peer_port": port,
+                "size_bytes": BLOCK_BYTES,
+            }
+        }
+        info = ECRequestInfo(f"r{i}", (f"img-{i}",), ec_transfer_params=params, mm_tokens=(1,))
+        assert not scheduler.ensure_cache_available(info, 0, 0.0)
+    return [effect.req.session_id for effect in sent]
+
+
+def test_S_02_a_consumer_has_one_unguessable_session_per_producer() -> None:
+    """A producer learns the consumer's session for itself only: it cannot name the
+    consumer's grants on another producer (their READ notifs carry the session)."""
+    peers = [("10.0.0.1", 5601), ("10.0.0.2", 5601), ("10.0.0.1", 5602), ("10.0.0.1", 5601)]
+    scheduler = ECScheduler(
+        transfer_config("ec_consumer", 8, engine_id="c"), layout(8), compat_hash=COMPAT
+    )
+    sessions = _asked_sessions(scheduler, peers)
+    assert len(set(sessions[:3])) == 3, "one session per producer"
+    assert sessions[3] == sessions[0], "stable for one producer, as vLLM's"
+    assert all(len(s) == 32 and int(s, 16) >= 0 for s in sessions)
+    again = ECScheduler(
+        transfer_config("ec_consumer", 8, engine_id="c"), layout(8), compat_hash=COMPAT
+    )
+    assert set(_asked_sessions(again, peers)).isdisjoint(sessions), "random per consumer"
+
+
+def test_S_06_the_rejection_log_keeps_naming_new_peers_after_invented_names(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that invents 5,000 names fills no table for good: a real peer seen after it
+    is still counted under its own name; lines are bounded and capped per interval."""
+    rejections = RejectionLog(logging.getLogger("kvhandoff.test.rejections"), interval=10.0)
+    with caplog.at_level(logging.WARNING, logger="kvhandoff.test.rejections"):
+        for i in range(5000):
+            rejections.reject(f"invented-{i}", "junk: " + "x" * 100_000, 1.0)
+        rejections.reject("real-peer", "bad notif: y", 2.0)
+        rejections.reject("real-peer", "bad notif: y", 12.0)  # the next interval
+    assert rejections.count("real-peer") == 2
+    assert rejections.total == 5002
+    assert (
+        rejections.count(OTHER_PEERS) + sum(rejections.count(f"invented-{i}") for i in range(5000))
+        == 5000
+    )
+    assert rejections.reasons() == {"junk": 5000, "bad notif": 2}
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= 2 * rejections.max_lines, "capped per interval in all"
+    assert all(len(line) <= rejections.max_line_chars for line in lines)
+    assert any("real-peer" in line for line in lines), "the real peer is heard next interval"
+    assert any("suppressed" in line for line in lines), "what was suppressed is said"

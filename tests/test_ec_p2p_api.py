@@ -4,6 +4,7 @@ is given (issue 4). The local-tier halves are tested in `test_ec_api.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -198,10 +199,31 @@ def test_R_E11_restarted_producer_is_read_with_the_metadata_of_its_ack() -> None
 
 def test_B01_eviction_of_a_published_encoding_is_announced_to_the_orchestrator() -> None:
     sim = Sim(8, producer_blocks=4)
-    produce(sim, "a", 2)
-    produce(sim, "b", 2)
-    produce(sim, "c", 2)  # evicts a, FIFO
-    assert sim.producer.evicted == [EncodingEvicted("a", "evicted")]
+    produce(sim, "a", 2)  # held (R-E06): half of the tier
+    produce(sim, "b", 2)  # holds pin at most half of the tier: published unheld
+    produce(sim, "c", 2)  # evicts b, FIFO among the unpinned
+    assert sim.producer.evicted == [EncodingEvicted("b", "evicted")]
+    assert sim.producer.scheduler.counters()["publications_unheld"] == 2  # b and c
+
+
+def test_R_E06_B01_a_published_encoding_is_held_until_read_or_producer_publish_pin_s() -> None:
+    sim = Sim(8, producer_blocks=8, machine_config={"producer_publish_pin_s": 10.0})
+    scheduler = sim.producer.scheduler
+    params = produce(sim, "a", 2)
+    for name in ("b", "c", "d", "e"):  # pressure past the tier: FIFO would take a first
+        produce(sim, name, 2)
+    assert scheduler.cache.state("a") == "pinned", "held: eviction took the others first"
+    assert EncodingEvicted("a", "evicted") not in sim.producer.evicted
+    assert consume(sim, "r-a", params), "a consumer that asks promptly is served"
+    # Its completed READ ended the hold: the entry is evictable again, as before.
+    sim.advance(0.5, step=lambda: step_both(sim))
+    assert scheduler.cache.state("a") == "ready"
+    assert scheduler.counters()["publication_holds"] <= 1
+    # A publication nobody reads is held for producer_publish_pin_s, then let go.
+    produce(sim, "f", 2)
+    assert scheduler.cache.state("f") == "pinned"
+    sim.advance(10.5, step=lambda: step_both(sim))
+    assert scheduler.cache.state("f") == "ready" and scheduler.counters()["publication_holds"] == 0
 
 
 def test_B05_lost_encoding_with_rewritten_media_fails_the_request_cleanly() -> None:
@@ -426,3 +448,23 @@ def test_C_03_stock_consumer_grant_released_by_read_notif_and_hostile_notifs_cou
             scheduler.on_read_notif("evil", junk, sim.clock.now)
     counters = scheduler.producer  # type: ignore[union-attr]
     assert counters is not None and (counters.late_notifs, counters.remote_errors) == (1, 3)
+
+
+def test_R_E07_an_input_already_computed_triggers_no_remote_read() -> None:
+    """vLLM 0.33: a feature whose positions the engine computed (`num_computed_tokens`
+    at or past its end) is not read from the producer; the request is schedulable."""
+    sim = Sim(41)
+    params = produce(sim, "h", 2)
+    scheduler = sim.consumer.scheduler
+    asked: list[SendXferReq] = []
+    scheduler.bus.handle(SendXferReq, lambda _inst, effect: asked.append(effect))
+    req = dataclasses.replace(
+        request("c1", *params, tokens=tokens_of(params), ec_transfer_params=params),
+        mm_ends=(10,),
+    )
+    assert scheduler.ensure_cache_available(req, 10, sim.clock.now)
+    assert scheduler.consumer is not None and not scheduler.consumer.has_reads()
+    assert asked == [] and scheduler.local_reason("c1", "h") == ""
+    fresh = dataclasses.replace(req, request_id="c2")
+    assert not scheduler.ensure_cache_available(fresh, 9, sim.clock.now), "one token short"
+    assert scheduler.consumer.has_reads() and len(asked) == 1

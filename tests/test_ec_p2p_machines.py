@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -255,6 +256,20 @@ def test_R_E08_not_ready_retries_are_bounded_by_time_too() -> None:
     assert fell_back("NACK_NOT_READY") in effects(bus)
 
 
+def test_R_E08_the_not_ready_budget_is_checked_at_each_step_not_only_at_a_nack() -> None:
+    """A retry due after the budget falls back at that step, without asking again (the
+    budget was checked only when a NACK arrived, so one more XferReq went out)."""
+    bus = read_bus(consumer_not_ready_timeout_s=5.0, consumer_ack_timeout_s=10.0)
+    ack(bus, nack(sent_request(bus, 0.0), XferStatus.NACK_NOT_READY), 1.0)
+    assert bus.has_tag(EC_CONSUMER_READ, "h", "retry_pending")
+    effects(bus)
+    bus.dispatch(EC_CONSUMER_READ, "h", Send(f"{2:032x}", 6.0), 6.0)  # the next step, late
+    out = effects(bus)
+    assert not any(isinstance(e, SendXferReq) for e in out), "no XferReq past the budget"
+    assert fell_back("not_ready_timeout") in out
+    assert bus.get(EC_CONSUMER_READ, "h") is None
+
+
 def test_R_E07_a_second_request_joins_the_read_in_flight() -> None:
     bus = read_bus()
     ack(bus, granted(sent_request(bus)))
@@ -474,13 +489,7 @@ def test_S_03_a_consumer_over_its_pin_caps_is_nacked(peer_grants: int, total_gra
     key = (b"peer", "t1")
     create_grant(bus, key)
     check = check_of(a_request(), "ready")
-    over = Check(
-        **{
-            **{f: getattr(check, f) for f in Check.__dataclass_fields__},
-            "peer_grants": peer_grants,
-            "total_grants": total_grants,
-        }
-    )
+    over = dataclasses.replace(check, peer_grants=peer_grants, total_grants=total_grants)
     bus.dispatch(EC_PRODUCER_GRANT, key, over, 0.0)
     out = effects(bus)
     (reply,) = [e for e in out if isinstance(e, SendXferAck)]

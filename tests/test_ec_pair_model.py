@@ -39,6 +39,7 @@ from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
 from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.meta import ECRequestInfo
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
+from kvhandoff.machines.ec.publication_hold import EC_PUBLICATION_HOLD
 from kvhandoff.machines.ec.request import EC_REQUEST, RequestCtx
 from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
 from kvhandoff.machines.runtime.compiled import Instance
@@ -306,6 +307,8 @@ class ECPairModel(RuleBasedStateMachine):
             assert grant.has("leased"), grant
             assert now - sim.grant_times[grant.ctx.key] <= DEFAULT_PIN_LEASE_S + EPS
             grants_per_hash[grant.ctx.mm_hash] = grants_per_hash.get(grant.ctx.mm_hash, 0) + 1
+        for hold in producer.bus.tagged(EC_PUBLICATION_HOLD, "holding"):  # R-E06
+            grants_per_hash[hold.ctx.key] = grants_per_hash.get(hold.ctx.key, 0) + 1
         for entry in producer.cache.entries():
             assert entry.ctx.pins == grants_per_hash.get(entry.key, 0), entry
         consumer = sim.consumer.scheduler

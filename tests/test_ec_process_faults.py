@@ -131,11 +131,14 @@ def test_kill_consumer_after_its_grant_pin_released_by_lease_then_restart() -> N
         side.scheduler.bus.handle(SendXferAck, kill_then_ack)
         relay(doomed, {"client": "c1", "mm_hash": "img-p", "tokens": 4, "params": params})
 
-        def pinned() -> bool:
-            side.engine_step()
-            return side.scheduler.cache.state("img-p") == "pinned"
+        producer = side.scheduler.producer
+        assert producer is not None
 
-        poll_until(pinned, 30, "the grant for the doomed consumer")
+        def granted() -> bool:  # (the entry is pinned from publication on, R-E06's hold)
+            side.engine_step()
+            return bool(producer.grants())
+
+        poll_until(granted, 30, "the grant for the doomed consumer")
         side.scheduler.bus.handle(SendXferAck, side.send_ack)
         assert doomed.proc.poll() is not None
 
@@ -143,7 +146,7 @@ def test_kill_consumer_after_its_grant_pin_released_by_lease_then_restart() -> N
             side.engine_step()
             return side.scheduler.cache.state("img-p") == "ready"
 
-        poll_until(released, lease + 10.0, "the pin released by its lease")
+        poll_until(released, lease + 10.0, "the pins released by the lease and the hold's end")
         metrics = side.scheduler.bus.metrics
         assert metrics.get("ec.producer.lease_expired") == 1
         assert side.scheduler.producer is not None and side.scheduler.producer.grants() == []

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-from push_harness import P_AGENT, P_COORDS, Halves, from_p, report
+from push_harness import P_AGENT, P_COORDS, Halves, from_d, from_p, report
 
 from kvhandoff.machines.kv.effects import ReportToMain
 from kvhandoff.machines.kv.events import Matched, RegSent
@@ -32,6 +32,7 @@ from kvhandoff.machines.rank.worker import WriterItem
 from kvhandoff.protocol.legs import PullSource, decode_leg
 from kvhandoff.protocol.notifs import (
     CompletionNotif,
+    HeartbeatNotif,
     WriteFailedNotif,
     encode_write_failed,
     parse_notif,
@@ -224,3 +225,18 @@ def test_R_T01_connector_meta_and_outputs_round_trip_through_msgpack() -> None:
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=PushConnectorMeta)
     assert decoded.pull_reads["cmpl-13-1-dddddddd"].source.prefill == P_COORDS
     assert decoded.push_finished_blocks["cmpl-13-0-0a0a0a0a"] == (7, 8, 9)
+
+
+def test_S_06_a_heartbeat_of_many_unknown_ids_is_one_bounded_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A heartbeat naming 50,000 requests P does not hold is rejected with one warning
+    line of bounded length (it once put every id into the line, ~1.2 MB)."""
+    p = Halves("prefill")
+    ids = tuple(f"cmpl-{i:08d}-0-{i:08x}" for i in range(50_000))
+    with caplog.at_level(logging.WARNING, logger="kvhandoff"):
+        p.step([from_d(HeartbeatNotif(ids))])
+    assert p.worker.rejected_notifs == 1
+    (line,) = [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+    assert len(line) <= 512, len(line)
+    assert "49997 more" in line and ids[0] in line

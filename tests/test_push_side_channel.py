@@ -8,7 +8,9 @@ request is served. Every wait is bounded polling against a deadline.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -146,3 +148,96 @@ def test_C_01_S_01_client_refuses_a_malformed_reply(reply: list[bytes]) -> None:
     finally:
         thread.join(DEADLINE_MS / 1000)
         router.close()
+
+
+# -- connection caps, TTL (issue 27 item 4; S-03, B-11, S-06) ----------------------------
+
+
+def _until(step: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not step():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)  # yield to the server's thread; never a synchronisation
+
+
+def _idle_connections(port: int, count: int) -> list[socket.socket]:
+    """`count` TCP connections that never say a word (the flood that took P's fds)."""
+    return [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Read (ZMQ's greeting) until the server closes the connection: EOF or a reset."""
+    sock.settimeout(DEADLINE_MS / 1000)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def _fetch_from(source: str, port: int) -> list[bytes]:
+    """One vLLM-style request over a REQ socket bound to the loopback address `source`."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{source}:0;127.0.0.1:{port}")
+        sock.send(encode_request(0, 0))
+        assert sock.poll(DEADLINE_MS), f"no reply to a handshake from {source}"
+        return sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+
+
+def test_S_03_the_side_channel_caps_connections_per_host_and_in_all() -> None:
+    """40 idle connections from one host: it keeps at most its 5, the flood is shed and
+    counted, and a handshake from that host and from another is served."""
+    provider = lambda pp, tp: PAYLOAD if (pp, tp) == (0, 0) else None  # noqa: E731
+    with SideChannelServer(
+        "127.0.0.1", 0, provider, max_connections_per_host=5, max_connections=8
+    ) as srv:
+        flood = _idle_connections(srv.port, 40)
+        more: list[socket.socket] = []
+        try:
+            _until(
+                lambda: srv.connections_accepted >= 40 and srv.connections_open <= 5,
+                "the flood to be shed",
+            )
+            assert srv.connections_shed["host_cap"] >= 35
+            assert srv.rejections.total >= 35, "each shed connection counted"
+            assert _fetch_from("127.0.0.1", srv.port)[0] == PAYLOAD, "its own host served"
+            assert _fetch_from("127.0.0.2", srv.port)[0] == PAYLOAD, "another host served"
+            hosts = [f"127.0.0.{i}" for i in range(3, 7)]
+            for host in hosts:  # 4 more hosts x 2: over the total cap of 8
+                for _ in range(2):
+                    s = socket.socket()
+                    s.bind((host, 0))
+                    s.connect(("127.0.0.1", srv.port))
+                    more.append(s)
+            _until(
+                lambda: srv.connections_accepted >= 48 and srv.connections_open <= 8,
+                "the total cap",
+            )
+            assert srv.connections_shed["total_cap"] >= 1
+            assert srv.running
+        finally:
+            for s in flood + more:
+                s.close()
+
+
+def test_B_11_the_side_channel_closes_connections_past_their_ttl() -> None:
+    provider = lambda pp, tp: PAYLOAD if (pp, tp) == (0, 0) else None  # noqa: E731
+    with SideChannelServer("127.0.0.1", 0, provider, connection_ttl_s=0.2) as srv:
+        idle = _idle_connections(srv.port, 3)
+        try:
+            _until(lambda: srv.connections_shed["ttl"] >= 3, "the TTL")
+            for s in idle:
+                assert _closed_by_server(s), "the idle connection was closed"
+            assert srv.connections_open == 0
+            assert _fetch_from("127.0.0.1", srv.port)[0] == PAYLOAD
+        finally:
+            for s in idle:
+                s.close()

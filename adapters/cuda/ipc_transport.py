@@ -147,6 +147,11 @@ class IpcPushTransport:
     def agent_name(self) -> str:
         return self.inner.agent_name
 
+    @property
+    def rejected_bundles(self) -> int:
+        """Malformed notif bundles the NIXL transport dropped (S-06)."""
+        return self.inner.rejected_bundles
+
     def handshake_payload(self) -> HandshakePayload:
         return self.inner.handshake_payload()
 

@@ -5,11 +5,13 @@ regions into ours (R-E07, R-E11, B-08).
 (ours, the READ destination) is prepared once as a block descriptor list. A producer's
 agent is loaded from the metadata its `XferAck` carried, when that agent is new or its
 metadata changed (a producer restarted under the same engine id): no separate handshake
-(R-E11). Each loaded agent's lifecycle (loaded, reading, stale, forgotten) is an
-`ec.producer_agent` machine on the reader's own bus; the reader only executes its
-effects (`ForgetAgent`, `FailReads`). The producer's region is prepared as descriptors
-too; the grant does not say how large that region is, so the prepared list grows to
-cover the highest granted block.
+(R-E11). New metadata under a known name from another producer address is refused while
+READs of the known agent are in flight (S-02: agent names are self-declared; one producer
+must not fail another's READs by claiming its name). Each loaded agent's lifecycle
+(loaded, reading, stale, forgotten) is an `ec.producer_agent` machine on the reader's
+own bus; the reader only executes its effects (`ForgetAgent`, `FailReads`). The
+producer's region is prepared as descriptors too; the grant does not say how large that
+region is, so the prepared list grows to cover the highest granted block.
 
 Each posted READ's handle is an `ec.read_handle` machine on the same bus (posted,
 completed, released, or failed and reported when its agent was replaced).
@@ -91,6 +93,8 @@ class ECNixlReader:
         self.agents_forgotten = 0
         self.post_failures = 0
         self.abandoned = 0
+        self.foreign_agents = 0
+        """Grants refused for naming another producer's agent (S-02)."""
 
     # -- posting -----------------------------------------------------------------------
 
@@ -172,6 +176,16 @@ class ECNixlReader:
             return self.bus.create(EC_PRODUCER_AGENT, ctx, self.clock()).ctx
         remote = self.bus.get(EC_PRODUCER_AGENT, name)
         if remote is not None and remote.ctx.metadata != metadata:
+            here = (remote.ctx.peer_host, remote.ctx.peer_port)
+            if here != (effect.peer_host, effect.peer_port) and self._reads_of(name):
+                # S-02: another producer claims this agent's name while READs of the real
+                # one are in flight: refused, so it cannot fail them by replacing it.
+                self.foreign_agents += 1
+                raise RemoteProtocolError(
+                    f"XferAck from {effect.peer_host}:{effect.peer_port} names agent "
+                    f"{name[:80]!r}, which is the producer at {here[0]}:{here[1]} with READs "
+                    "in flight"
+                )
             # The same agent name with new metadata: the producer restarted (R-E11).
             self._deliver(name, MetadataChanged())
             remote = None
@@ -187,6 +201,10 @@ class ECNixlReader:
         ctx = AgentCtx(name, metadata, effect.peer_host, effect.peer_port)
         self.agents_loaded += 1
         return self.bus.create(EC_PRODUCER_AGENT, ctx, self.clock()).ctx
+
+    def _reads_of(self, name: str) -> bool:
+        """Whether a READ from agent `name` is in flight."""
+        return any(r.ctx.agent == name for r in self.bus.tagged(EC_READ_HANDLE, "in_flight"))
 
     def _remote_list(self, remote: AgentCtx, base: int, needed: int) -> PreppedBlocks:
         """The producer's region as prepared descriptors covering at least `needed`

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.nixl.agent import NixlAgent, PreppedBlocks, XferHandle
 from kvhandoff.adapters.nixl.push_batch import BatchedWrite, WriteBatcher
 from kvhandoff.adapters.push_transport import (
@@ -32,6 +33,7 @@ from kvhandoff.adapters.push_transport import (
     XferState,
 )
 from kvhandoff.adapters.zmq.side_channel import fetch_rank_handshakes
+from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
@@ -127,8 +129,9 @@ class NixlPushTransport:
         self.layout_facts.update({k: v for k, v in explicit.items() if v is not None})
         self.extensions: tuple[str, ...] = ()
         self.auth_key_id = ""
-        self.rejected_bundles = 0
-        """Malformed notif bundles dropped by `get_new_notifs` (B-13, S-01)."""
+        self.bundle_rejections = RejectionLog(log, what="notif bundle")
+        """Malformed notif bundles dropped by `get_new_notifs` (B-13, S-01), counted per
+        sender and logged rate-limited (S-06)."""
         self.layout: MemberLayout = derive_member_major_layout(
             regions, pp_size=pp_size, is_decoder=is_decoder
         )
@@ -340,11 +343,15 @@ class NixlPushTransport:
             try:
                 parts = decode_notif_bundle(message, peer=sender)
             except RemoteProtocolError as exc:
-                self.rejected_bundles += 1
-                log.warning("notif bundle dropped: %s", exc)
+                self.bundle_rejections.reject(sender, exc, real_clock())
                 continue
             split.extend((sender, part) for part in parts)
         return split
+
+    @property
+    def rejected_bundles(self) -> int:
+        """Malformed notif bundles dropped so far."""
+        return self.bundle_rejections.total
 
     def write_blocks(
         self,

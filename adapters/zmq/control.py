@@ -29,12 +29,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvhandoff.adapters.zmq.side_channel import tcp_endpoint
+from kvhandoff.protocol.ec_wire import MAX_XFER_DONE_BYTES, MAX_XFER_REQ_BYTES
 
 __all__ = [
     "DEFAULT_CONTROL_HOST",
     "DEFAULT_CONTROL_PORT",
     "ControlClient",
     "ControlEvent",
+    "ControlRequest",
     "ControlServer",
     "Heartbeat",
     "read_heartbeat",
@@ -44,8 +46,18 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTROL_HOST = "localhost"
 DEFAULT_CONTROL_PORT = 5601
-#: Largest control message accepted by default; XferAck carries agent metadata.
+#: Largest control message a consumer's DEALER accepts: an XferAck carries agent metadata
+#: and, from a stock vLLM producer, its per-block descriptor list.
 MAX_CONTROL_BYTES = 16 * 1024 * 1024
+#: Largest message the producer's ROUTER serves: the largest valid XferReq / XferDone
+#: (`ec_wire`), a few KiB. A bigger one is dropped, counted and logged by `poll_requests`.
+MAX_REQUEST_BYTES = max(MAX_XFER_REQ_BYTES, MAX_XFER_DONE_BYTES)
+#: The ROUTER's ZMQ_MAXMSGSIZE: ZMQ closes the connection of a peer that sends a frame
+#: over it before the frame is buffered (RSS stays flat under a flood of big messages);
+#: between `MAX_REQUEST_BYTES` and this, the frame check drops it.
+MAX_REQUEST_FRAME_BYTES = 2 * MAX_REQUEST_BYTES
+#: Frames a request may have: (identity, b"", message).
+_REQUEST_FRAMES = 3
 #: Most messages one poll call returns, so one busy peer cannot starve a scheduler step.
 MAX_BATCH = 1024
 
@@ -68,6 +80,14 @@ RejectHook = Callable[[str, str], None]
 
 def _quiet(peer: str, reason: str) -> None:
     log.debug("control message from %s dropped: %s", peer, reason)
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The TCP peer's address of a received message ('' when ZMQ does not say)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, KeyError, AttributeError):
+        return ""
 
 
 def _frames_problem(frames: list[bytes], expected: int) -> str | None:
@@ -105,6 +125,16 @@ def read_heartbeat(sock: zmq.Socket[bytes]) -> Heartbeat:
     )
 
 
+class ControlRequest(NamedTuple):
+    """One request from a consumer: its ZMQ identity, the message, the peer's address."""
+
+    identity: bytes
+    payload: bytes
+    host: str
+    """The consumer's IP address as the TCP connection says (ZMQ's `Peer-Address`): what
+    per-host caps count (S-03), since identities are the peer's free choice."""
+
+
 class ControlEvent(NamedTuple):
     """One socket monitor event: `kind` is a name such as "CONNECTED" or "DISCONNECTED"."""
 
@@ -134,14 +164,15 @@ class ControlServer:
         port: int = DEFAULT_CONTROL_PORT,
         *,
         heartbeat: Heartbeat | None = None,
-        max_message_bytes: int = MAX_CONTROL_BYTES,
+        max_message_bytes: int = MAX_REQUEST_BYTES,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         on_reject: RejectHook | None = None,
     ) -> None:
         ctx = context if context is not None else zmq.Context.instance()
         self.heartbeat = heartbeat or Heartbeat()
         self.on_reject = on_reject or _quiet
-        sock = _socket(ctx, zmq.ROUTER, max_message_bytes, self.heartbeat, host)
+        self.max_message_bytes = max_message_bytes
+        sock = _socket(ctx, zmq.ROUTER, 2 * max_message_bytes, self.heartbeat, host)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             sock.bind(tcp_endpoint(host, port))
@@ -151,7 +182,15 @@ class ControlServer:
         self._sock: zmq.Socket[bytes] | None = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(self.endpoint.rsplit(":", 1)[1])
+        # Connections ZMQ closed: a peer gone, or one ZMQ dropped for a frame over
+        # ZMQ_MAXMSGSIZE (ZMQ tells the two apart to nobody): counted, logged (S-06).
+        self._monitor: zmq.Socket[bytes] | None = sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
         self.dropped = 0
+        self.oversized = 0
+        self.accepted = 0
+        self.disconnects = 0
 
     def socket_heartbeat(self) -> Heartbeat:
         """Heartbeat options as the ROUTER reports them."""
@@ -163,27 +202,71 @@ class ControlServer:
         return self._sock
 
     def poll_requests(self, max_batch: int = MAX_BATCH) -> list[tuple[bytes, bytes]]:
-        """Queued requests as `(peer_identity, payload)`, without blocking.
+        """Queued requests as `(peer_identity, payload)`, without blocking (see
+        `poll_messages`, which also says each peer's address)."""
+        return [(m.identity, m.payload) for m in self.poll_messages(max_batch)]
 
-        A message that is not exactly `[identity, b"", payload]` is dropped, counted and
-        reported to `on_reject`; the ones after it are still read.
+    def poll_messages(self, max_batch: int = MAX_BATCH) -> list[ControlRequest]:
+        """Queued requests, without blocking.
+
+        A message that is not exactly `[identity, b"", payload]`, or whose payload is over
+        `max_message_bytes`, is dropped, counted and reported to `on_reject`; the ones
+        after it are still read. Frames are read one at a time and those past the third
+        are discarded as they come, so no message holds more than three in memory.
+        Connections ZMQ closed since the last call are counted and reported too.
         """
         sock = self._live()
-        out: list[tuple[bytes, bytes]] = []
+        self._poll_monitor()
+        out: list[ControlRequest] = []
         seen = 0
         while seen < max_batch:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                first = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             seen += 1
-            problem = _frames_problem(frames, 3)
+            frames, extra = [first.bytes], 0
+            more = first.more
+            while more:
+                frame = sock.recv(copy=False)  # the rest of a message is already queued
+                more = frame.more
+                if len(frames) < _REQUEST_FRAMES:
+                    frames.append(frame.bytes)
+                else:
+                    extra += 1
+            problem = _frames_problem(frames, _REQUEST_FRAMES) if not extra else None
+            if extra:
+                problem = f"{len(frames) + extra} frames, expected {_REQUEST_FRAMES}"
+            elif problem is None and len(frames[2]) > self.max_message_bytes:
+                self.oversized += 1
+                problem = (
+                    f"message of {len(frames[2])} bytes over the {self.max_message_bytes}-byte "
+                    "cap of a request"
+                )
             if problem is not None:
                 self.dropped += 1
-                self.on_reject(frames[0].hex()[:64] if frames else "?", problem)
+                self.on_reject(frames[0].hex()[:64], problem)
                 continue
-            out.append((frames[0], frames[2]))
+            host = _peer_address(first)
+            out.append(ControlRequest(frames[0], frames[2], host))
         return out
+
+    def _poll_monitor(self) -> None:
+        monitor = self._monitor
+        while monitor is not None:
+            try:
+                msg = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if int(msg["event"]) == zmq.EVENT_ACCEPTED:
+                self.accepted += 1
+                continue
+            self.disconnects += 1
+            self.on_reject(
+                self.endpoint,
+                "a connection was closed (its peer left, or ZMQ dropped a frame over the "
+                f"{2 * self.max_message_bytes}-byte socket cap)",
+            )
 
     def wait_readable(self, timeout_ms: int) -> bool:
         """Block up to `timeout_ms` for a request (for callers with no loop of their own)."""
@@ -200,10 +283,15 @@ class ControlServer:
         return True
 
     def close(self) -> None:
-        """Close the socket. Idempotent."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        """Close the socket and its monitor. Idempotent."""
+        sock, monitor = self._sock, self._monitor
+        self._sock = self._monitor = None
+        if sock is not None:
+            if monitor is not None:
+                sock.disable_monitor()
+            sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     def __enter__(self) -> ControlServer:
         return self

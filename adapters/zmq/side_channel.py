@@ -16,6 +16,19 @@ one-frame ``GET_META``, an unknown rank: each is dropped without an answer, coun
 (`requests_dropped`) and logged rate-limited (`rejections`, S-06); no input, and no
 error while answering one, stops the thread, and the next valid request is served (S-01).
 
+Connections are bounded (S-03, B-11): a peer's handshake is one short REQ exchange (vLLM's
+and kvhandoff's clients close the socket after it), so the server holds at most
+`max_connections_per_host` connections of one host (the TCP peer address) and
+`max_connections` in all, and closes any connection open longer than `connection_ttl_s`.
+Past a cap the server sheds the oldest connection of that host (per-host cap) or of the
+host that holds the most (total cap), so a flood from one host never locks out another
+host's new handshake. ZMQ heartbeats close connections whose peer stopped answering, and a
+TCP connection that never completes ZMQ's greeting is closed after `handshake_ivl_ms`.
+Each shed connection is counted by cause (`connections_shed`) and logged rate-limited.
+The server learns of connections from its ROUTER's socket monitor (the accepted file
+descriptor) and sheds one by shutting that TCP socket down once it has checked, through
+a duplicate descriptor, that it is still the same connection; ZMQ then closes it.
+
 `fetch_rank_handshakes(host, port, timeout_s, ranks)` is the client: one REQ socket, one
 request per rank, each reply checked to be two frames, or `HandshakeTimeout`.
 """
@@ -27,13 +40,17 @@ import inspect
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final, cast
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.machines.runtime.rejections import RejectionLog
@@ -57,6 +74,27 @@ log = logging.getLogger(__name__)
 
 #: Largest request message the server accepts; ZMQ drops a peer that sends more.
 MAX_REQUEST_BYTES = 1024
+#: Connections one host may hold open on a side channel (S-03).
+DEFAULT_MAX_CONNECTIONS_PER_HOST = 64
+#: Connections all hosts together may hold open on a side channel (S-03).
+DEFAULT_MAX_CONNECTIONS = 512
+#: Seconds a connection may stay open: a handshake takes milliseconds (B-11).
+DEFAULT_CONNECTION_TTL_S = 30.0
+#: ZMQ heartbeats of the ROUTER (ms): a peer that stops answering is closed.
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 5000, 10_000
+#: Time a TCP connection has to complete ZMQ's greeting (ms).
+HANDSHAKE_IVL_MS = 5000
+
+
+@dataclass(slots=True)
+class _Connection:
+    """One accepted TCP connection, as the ROUTER's monitor told it."""
+
+    fd: int
+    host: str
+    peer: tuple[object, ...]
+    since: float
+
 
 RankProvider = Callable[[int, int], bytes | None]
 """(pp_rank, tp_rank) -> that rank's encoded payload, or None when there is no such rank."""
@@ -116,8 +154,22 @@ class SideChannelServer:
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         poll_ms: int = 1000,
+        max_connections_per_host: int = DEFAULT_MAX_CONNECTIONS_PER_HOST,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        connection_ttl_s: float = DEFAULT_CONNECTION_TTL_S,
+        handshake_ivl_ms: int = HANDSHAKE_IVL_MS,
     ) -> None:
         self._provider = _rank_provider(payload_provider)
+        self.max_connections_per_host = max_connections_per_host
+        self.max_connections = max_connections
+        self.connection_ttl_s = connection_ttl_s
+        # The accepted TCP connections by descriptor, oldest first, and how many each host
+        # holds: the ROUTER's file descriptors, owned by the serving thread.
+        self._conns: OrderedDict[int, _Connection] = OrderedDict()
+        self._per_host: Counter[str] = Counter()
+        self.connections_accepted = 0
+        self.connections_shed: Counter[str] = Counter()
+        """Connections the server closed, by cause: `host_cap`, `total_cap`, `ttl`."""
         # ZMQ closes sockets on its I/O thread, after `close` returns: only terminating the
         # context waits for the listening socket to be gone. A server that owns its context
         # therefore frees its port by the time `close` returns.
@@ -132,11 +184,17 @@ class SideChannelServer:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        router.setsockopt(zmq.HANDSHAKE_IVL, handshake_ivl_ms)
         if ":" in host:
             router.setsockopt(zmq.IPV6, 1)
+        monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
             router.bind(tcp_endpoint(host, port))
         except zmq.ZMQError:
+            router.disable_monitor()
+            monitor.close(linger=0)
             router.close(linger=0)
             if self._owns_ctx:
                 self._ctx.term()
@@ -154,21 +212,29 @@ class SideChannelServer:
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(
-            target=self._serve, args=(router, wake), name=f"side-channel:{self.port}", daemon=True
+            target=self._serve,
+            args=(router, wake, monitor),
+            name=f"side-channel:{self.port}",
+            daemon=True,
         )
         self._thread.start()
 
-    def _serve(self, router: zmq.Socket[bytes], wake: zmq.Socket[bytes]) -> None:
+    def _serve(
+        self, router: zmq.Socket[bytes], wake: zmq.Socket[bytes], monitor: zmq.Socket[bytes]
+    ) -> None:
         """Thread body: answer requests until the stop socket speaks."""
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poll_ms = min(self._poll_ms, max(int(self.connection_ttl_s * 500), 10))
         try:
             while True:
                 try:
-                    ready = dict(poller.poll(self._poll_ms))
+                    ready = dict(poller.poll(poll_ms))
                     if wake in ready:
                         return
+                    self._watch(monitor)
                     if router in ready:
                         self._drain(router)
                 except zmq.ContextTerminated:
@@ -177,8 +243,70 @@ class SideChannelServer:
                     self.errors += 1
                     log.exception("side channel on port %d: error while serving", self.port)
         finally:
+            router.disable_monitor()
+            monitor.close(linger=0)
             router.close(linger=0)
             wake.close(linger=0)
+
+    # -- connections (S-03, B-11) ----------------------------------------------------------
+
+    @property
+    def connections_open(self) -> int:
+        """TCP connections the server holds now (as its monitor last told)."""
+        return len(self._conns)
+
+    def _watch(self, monitor: zmq.Socket[bytes]) -> None:
+        """Apply the monitor's events, then the caps and the TTL."""
+        now = real_clock()
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            fd = int(event["value"])
+            if int(event["event"]) == zmq.EVENT_DISCONNECTED:
+                self._forget(fd)
+                continue
+            self._forget(fd)  # a descriptor is reused only after its close was told
+            conn = _accepted(fd, now)
+            if conn is None:
+                continue  # gone already
+            self.connections_accepted += 1
+            self._conns[fd] = conn
+            self._per_host[conn.host] += 1
+            if self._per_host[conn.host] > self.max_connections_per_host:
+                self._shed(self._oldest_of(conn.host), "host_cap", now)
+            elif len(self._conns) > self.max_connections:
+                busiest = self._per_host.most_common(1)[0][0]
+                self._shed(self._oldest_of(busiest), "total_cap", now)
+        while self._conns:
+            oldest = next(iter(self._conns.values()))
+            if now - oldest.since < self.connection_ttl_s:
+                break
+            self._shed(oldest, "ttl", now)
+
+    def _oldest_of(self, host: str) -> _Connection:
+        return next(c for c in self._conns.values() if c.host == host)
+
+    def _forget(self, fd: int) -> _Connection | None:
+        conn = self._conns.pop(fd, None)
+        if conn is not None:
+            self._per_host[conn.host] -= 1
+            if self._per_host[conn.host] <= 0:
+                del self._per_host[conn.host]
+        return conn
+
+    def _shed(self, conn: _Connection, cause: str, now: float) -> None:
+        """Close `conn` (ZMQ sees its end and drops it), counted and logged (S-06)."""
+        self._forget(conn.fd)
+        self.connections_shed[cause] += 1
+        _shutdown(conn, self.port)
+        self.rejections.reject(
+            conn.host,
+            f"connection shed: {cause} (limits {self.max_connections_per_host} "
+            f"per host, {self.max_connections} in all, {self.connection_ttl_s:g} s)",
+            now,
+        )
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         """Answer every queued request without blocking."""
@@ -244,6 +372,44 @@ class SideChannelServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _dup(fd: int) -> socket.socket | None:
+    """A duplicate of descriptor `fd` as a socket object, or None if it is closed."""
+    try:
+        return socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+
+
+def _accepted(fd: int, now: float) -> _Connection | None:
+    """What the monitor's accepted descriptor `fd` is connected to (None: gone)."""
+    sock = _dup(fd)
+    if sock is None:
+        return None
+    with sock:
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            return None
+    peer = tuple(peer) if isinstance(peer, tuple) else (peer,)
+    return _Connection(fd, str(peer[0]), peer, now)
+
+
+def _shutdown(conn: _Connection, port: int) -> None:
+    """Shut the TCP connection of `conn` down, if its descriptor still names it (the same
+    local port and peer): a descriptor reused by another socket is left alone."""
+    sock = _dup(conn.fd)
+    if sock is None:
+        return
+    with sock:
+        try:
+            peer = sock.getpeername()
+            same = sock.getsockname()[1] == port and tuple(peer) == conn.peer
+            if same:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return
 
 
 def _rank_provider(provider: RankProvider | Callable[[], bytes] | None) -> RankProvider:

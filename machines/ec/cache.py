@@ -49,6 +49,7 @@ class EmbeddingCache:
         self.observer = observer
         self.evictions = 0
         bus.register(EC_CACHE_ENTRY)
+        bus.watch(EC_CACHE_ENTRY, "held")  # asked every engine step (`has_held`)
         bus.handle(ReleaseBlocks, self._release)
         bus.handle(MarkEvictable, self._mark)
 
@@ -63,6 +64,11 @@ class EmbeddingCache:
         None when the tier does not hold it. Decisions ask `has`."""
         inst = self.bus.get(EC_CACHE_ENTRY, mm_hash)
         return None if inst is None else inst.state
+
+    def has_held(self) -> bool:
+        """Whether any entry is held: a save or READ not landed, or a pin (a load not
+        confirmed, a grant, a request waiting for its load)."""
+        return bool(self.bus.tagged(EC_CACHE_ENTRY, "held"))
 
     def has(self, mm_hash: str, tag: str) -> bool:
         """Whether the entry of `mm_hash` is live and its state carries `tag`."""

@@ -10,7 +10,8 @@ a P2P NIXL READ. Its bytes are not there yet, so it is neither loadable nor serv
   its load is scheduled): `ready -> pinned`; further pins count up in `pins`. A pinned
   entry is never evicted.
 - `unpin`: counts down; the last one takes `pinned -> ready`. `Unpin(consumed=True)`
-  reports a peer's completed READ (the encoding was consumed).
+  reports a peer's completed READ (the encoding was consumed); the first one emits
+  `EntryConsumed` (a producer's publication hold lets go of the entry on it).
 - `evict` (FIFO, when space is needed): `ready -> evicted`, blocks freed.
 - `discard` (the save was abandoned or failed, the READ failed or its quarantine ended):
   `allocated -> evicted`, blocks freed.
@@ -26,7 +27,9 @@ and tells the eviction order when it becomes evictable or not (`MarkEvictable`);
 `EmbeddingCache` executes those effects.
 
 Tags: `awaiting_bytes` (allocated: a save or READ destination), `loadable` (ready or
-pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody).
+pinned: the bytes are in the tier), `evictable` (ready: loadable and held by nobody),
+`held` (allocated or pinned: a save, READ or load is unconfirmed, or someone holds it;
+the engine must keep stepping, as vLLM 0.33's connector keeps it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvhandoff.machines.runtime.effects import Effect
 __all__ = [
     "EC_CACHE_ENTRY",
     "EncodingEvicted",
+    "EntryConsumed",
     "EntryCtx",
     "MarkEvictable",
     "ReleaseBlocks",
@@ -90,6 +94,13 @@ class EncodingEvicted(Effect):
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class EntryConsumed(Effect):
+    """A peer's READ of the entry completed, the first time (`Unpin(consumed=True)`)."""
+
+    mm_hash: str
+
+
 def _last_pin(ctx: EntryCtx, event: Unpin) -> bool:
     return ctx.pins <= 1
 
@@ -107,15 +118,16 @@ def _add_pin(ctx: EntryCtx, event: Pin) -> None:
     ctx.pins += 1
 
 
-def _drop_pin(ctx: EntryCtx, event: Unpin) -> None:
+def _drop_pin(ctx: EntryCtx, event: Unpin) -> list[Effect]:
     ctx.pins -= 1
-    if event.consumed:
+    if event.consumed and not ctx.consumed:
         ctx.consumed = True
+        return [EntryConsumed(ctx.key)]
+    return []
 
 
 def _last_unpin(ctx: EntryCtx, event: Unpin) -> list[Effect]:
-    _drop_pin(ctx, event)
-    return [MarkEvictable(ctx.key, True)]
+    return [*_drop_pin(ctx, event), MarkEvictable(ctx.key, True)]
 
 
 def _publish(ctx: EntryCtx, event: Publish) -> None:
@@ -148,11 +160,11 @@ EC_CACHE_ENTRY: Declaration[EntryCtx] = Declaration(
     ),
     states=[
         # Its bytes are not there yet: a save or a READ is filling it.
-        {"name": "allocated", "tags": ("awaiting_bytes",)},
+        {"name": "allocated", "tags": ("awaiting_bytes", "held")},
         # Its bytes are there and nobody holds it: FIFO may evict it.
         {"name": "ready", "tags": ("loadable", "evictable")},
         # Its bytes are there and someone holds it: never evicted.
-        {"name": "pinned", "tags": ("loadable",)},
+        {"name": "pinned", "tags": ("loadable", "held")},
         {"name": "evicted", "final": True},
     ],
     initial="allocated",

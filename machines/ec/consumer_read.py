@@ -20,7 +20,9 @@ checking the announced size against the request and the layout (S-04).
   released them and reallocated next step, evicting a ready entry per step). The next
   scheduler step `send`s again. Beyond the seed the retries are bounded by count
   (`consumer_max_not_ready_retries`) and by time (`consumer_not_ready_timeout_s` since
-  the first `XferReq`); past either the last NACK_NOT_READY falls back.
+  the first `XferReq`); past either the last NACK_NOT_READY falls back. The time budget is
+  checked at each step too: a retry due after it falls back (`not_ready_timeout`) instead
+  of asking again.
 - any other NACK, `ack_timeout` (after `consumer_ack_timeout_s`, 2 s), or
   `peer_disconnected` before the READ: `-> fallback_local`; the destination is discarded
   and every waiter encodes locally (`read_fell_back`).
@@ -54,7 +56,14 @@ from dataclasses import dataclass, field
 
 from kvhandoff.machines.ec.cache_entry import EC_CACHE_ENTRY
 from kvhandoff.machines.ec.consumer_read_effects import (
+    Ack,
+    AckTimeout,
     IssueRead,
+    QuarantineOver,
+    ReadDone,
+    ReadFailed,
+    ReadReleased,
+    ReadTimeout,
     ReleaseRead,
     SendXferDone,
     SendXferReq,
@@ -69,7 +78,7 @@ from kvhandoff.machines.ec.events import (
 from kvhandoff.machines.ec.settlement import EC_SETTLEMENT, SettlementKey
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, Emit, Metric
-from kvhandoff.machines.runtime.events import Event, PeerEvent
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.protocol.ec_config import (
     DEFAULT_CONSUMER_ACK_TIMEOUT_S,
     DEFAULT_NIXL_READ_TIMEOUT_S,
@@ -187,45 +196,6 @@ class Leave(Event):
     waiter: SettlementKey
 
 
-@dataclass(frozen=True, slots=True)
-class Ack(PeerEvent):
-    """The producer's answer to the current attempt, received at `at` (checked against it
-    and against the peer it came from by the scheduler)."""
-
-    ack: XferAck
-    at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReadDone(PeerEvent):
-    """NIXL: the READ of the current attempt completed (its handle is released)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadFailed(PeerEvent):
-    """NIXL: the READ of the current attempt failed (its handle is released)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadReleased(Event):
-    """The adapter released the quarantined READ's handle (`ReleaseRead`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AckTimeout(Event):
-    """No ack within `consumer_ack_timeout_s`."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadTimeout(Event):
-    """The READ did not complete within `nixl_read_timeout_s`."""
-
-
-@dataclass(frozen=True, slots=True)
-class QuarantineOver(Event):
-    """`read_quarantine_s` passed: time to cancel the DMA and free the destination."""
-
-
 # -- guards --------------------------------------------------------------------------
 
 
@@ -239,6 +209,10 @@ def _may_retry(ctx: ReadCtx, event: Ack) -> bool:
         and ctx.not_ready < ctx.max_not_ready
         and event.at - ctx.first_sent_at < ctx.not_ready_s
     )
+
+
+def _not_ready_budget_spent(ctx: ReadCtx, event: Send) -> bool:
+    return event.at - ctx.first_sent_at >= ctx.not_ready_s
 
 
 # -- actions -------------------------------------------------------------------------
@@ -314,6 +288,10 @@ def _fall_back(ctx: ReadCtx, reason: str, *, keep_blocks: bool = False) -> list[
 
 def _nacked(ctx: ReadCtx, event: Ack) -> list[Effect]:
     return _fall_back(ctx, str(event.ack.status))
+
+
+def _not_ready_expired(ctx: ReadCtx, event: Send) -> list[Effect]:
+    return _fall_back(ctx, "not_ready_timeout")
 
 
 def _ack_timed_out(ctx: ReadCtx, event: AckTimeout) -> list[Effect]:
@@ -403,6 +381,13 @@ EC_CONSUMER_READ: Declaration[ReadCtx] = Declaration(
     transitions=[
         {
             "trigger": Send,
+            "source": "retry_next_step",
+            "dest": "fallback_local",
+            "conditions": "not_ready_budget_spent",
+            "after": "not_ready_expired",
+        },
+        {
+            "trigger": Send,
             "source": ["needed", "retry_next_step"],
             "dest": "xfer_req_sent",
             "after": "send",
@@ -466,6 +451,8 @@ EC_CONSUMER_READ: Declaration[ReadCtx] = Declaration(
     callbacks={
         "granted": _granted,
         "may_retry": _may_retry,
+        "not_ready_budget_spent": _not_ready_budget_spent,
+        "not_ready_expired": _not_ready_expired,
         "send": _send,
         "join": _join,
         "leave": _leave,

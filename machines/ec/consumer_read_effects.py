@@ -1,12 +1,14 @@
 """What the consumer-read machine (`ec.consumer_read`) asks its adapters to do: the ZMQ
-messages to the producer and the NIXL READ and its release (R-E07, R-E11, R-E12)."""
+messages to the producer and the NIXL READ and its release (R-E07, R-E11, R-E12); and
+what the adapters and the timeouts tell it back (the peer events and timeout events)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvhandoff.machines.runtime.effects import Effect
-from kvhandoff.protocol.ec_wire import XferDone, XferReq
+from kvhandoff.machines.runtime.events import Event, PeerEvent
+from kvhandoff.protocol.ec_wire import XferAck, XferDone, XferReq
 
 # -- effects ---------------------------------------------------------------------------
 
@@ -62,3 +64,45 @@ class ReleaseRead(Effect):
 
     mm_hash: str
     transfer_id: str
+
+
+# -- events from the adapters and the timeouts -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(PeerEvent):
+    """The producer's answer to the current attempt, received at `at` (checked against it
+    and against the peer it came from by the scheduler)."""
+
+    ack: XferAck
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone(PeerEvent):
+    """NIXL: the READ of the current attempt completed (its handle is released)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFailed(PeerEvent):
+    """NIXL: the READ of the current attempt failed (its handle is released)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadReleased(Event):
+    """The adapter released the quarantined READ's handle (`ReleaseRead`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AckTimeout(Event):
+    """No ack within `consumer_ack_timeout_s`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTimeout(Event):
+    """The READ did not complete within `nixl_read_timeout_s`."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineOver(Event):
+    """`read_quarantine_s` passed: time to cancel the DMA and free the destination."""

@@ -26,6 +26,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from kvhandoff.protocol.errors import LocalProtocolError
+
 __all__ = [
     "CopyDirection",
     "CopyItem",
@@ -35,6 +37,9 @@ __all__ = [
     "ECRequestInfo",
     "ECWorkerMeta",
     "RankReport",
+    "computed_inputs",
+    "input_of",
+    "tokens_by_hash",
 ]
 
 CopyDirection = Literal["save", "load"]
@@ -89,6 +94,10 @@ class ECRequestInfo:
     mm_modalities: tuple[str, ...] = ()
     """Modality of each multimodal input, in `mm_hashes` order (optional; published as
     vLLM's `modality`)."""
+    mm_ends: tuple[int, ...] = ()
+    """Prompt position just past each multimodal input (vLLM's `mm_position.offset +
+    length`), in `mm_hashes` order; an input with `num_computed_tokens` at or past it is
+    computed already and needs no encoding (optional: none means not known)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +162,39 @@ class ECFinished:
     saved: frozenset[str] = frozenset()
     loaded: frozenset[str] = frozenset()
     failed: frozenset[str] = frozenset()
+
+
+def computed_inputs(request: ECRequest, num_computed_tokens: int) -> set[str]:
+    """The inputs of `request` the engine computed already (their end position is at or
+    before `num_computed_tokens`); `mm_ends` is optional on an engine's request."""
+    ends = getattr(request, "mm_ends", ()) or ()
+    if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
+        return set()
+    return {
+        h
+        for h, end in zip(request.mm_hashes, ends, strict=False)
+        if isinstance(end, int) and end <= num_computed_tokens
+    }
+
+
+def tokens_by_hash(request: ECRequest) -> dict[str, int]:
+    hashes, tokens = request.mm_hashes, request.mm_tokens
+    return {h: int(t) for h, t in zip(hashes, tokens, strict=False)}
+
+
+def input_of(request: ECRequest, index: int) -> tuple[str, int]:
+    """(`mm_hash`, tokens) of input `index` of `request`; `LocalProtocolError` if bad."""
+    hashes, tokens = request.mm_hashes, request.mm_tokens
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(hashes):
+        raise LocalProtocolError(
+            f"request {request.request_id!r} has {len(hashes)} multimodal inputs; no index "
+            f"{index!r}"
+        )
+    if index >= len(tokens):
+        raise LocalProtocolError(
+            f"request {request.request_id!r} names no token count for input {index}"
+        )
+    count = tokens[index]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise LocalProtocolError(f"num_tokens must be a positive int, got {count!r}")
+    return hashes[index], count

@@ -25,7 +25,11 @@ unpins at once instead of after its 30 s lease.
 Grant release (C-03, C-04): with a producer that advertised `xfer_done` the consumer's
 READ carries no notif and `XferDone` releases the grant; with any other (a stock vLLM
 producer) the READ carries the notif `<session_id>:<mm_hash>`, which releases it there.
-The producer accepts both: `on_read_notif` ends the grant the notif names, once.
+The producer accepts both: `on_read_notif` ends the grant the notif names, once, but
+never a grant of a consumer that advertised `xfer_done` (it releases with `XferDone`
+only), and a grant whose consumer announced its NIXL agent only by a notif from that
+agent (S-02). A consumer keeps one random session per producer (as vLLM 0.33's does), so
+a producer cannot name the consumer's grants on another producer.
 
 Every entry point takes `now` and gives it to the bus before looking at a machine, so a
 message that waited meets the state its deadlines decided.
@@ -33,6 +37,8 @@ message that waited meets the state its deadlines decided.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -118,10 +124,14 @@ class P2PConsumer:
         self.stale_acks = 0
         self.late_completions = 0
         self.unused_grants_released = 0
-        # Names this consumer to producers: grants and READ notifs are keyed by it. Random
-        # (S-02) unless the transfer ids are injected (a simulation replays exactly).
-        self.session_id = (
-            random_transfer_id() if transfer_ids is random_transfer_id else f"session-{engine_id}"
+        # Names this consumer to each producer: grants and READ notifs are keyed by it. One
+        # session per producer, as vLLM 0.33's consumer has (S-02): a producer learns only
+        # its own, so it cannot name our grants on another producer. Random unless the
+        # transfer ids are injected (a simulation replays exactly).
+        self._session_key = (
+            secrets.token_bytes(32)
+            if transfer_ids is random_transfer_id
+            else f"session-{engine_id}".encode()
         )
         machine = bus.register(EC_CONSUMER_READ, config)
         self.max_not_ready = machine.config["consumer_max_not_ready_retries"]
@@ -130,8 +140,19 @@ class P2PConsumer:
         bus.handle(JoinRead, self._join)
         bus.handle(LeaveRead, self._leave)
 
+    def session_for(self, peer_host: str, peer_port: int) -> str:
+        """This consumer's session id with the producer at `peer_host:peer_port`: 128 bits
+        of an HMAC under a random key, so no producer can derive another's (S-02)."""
+        peer = f"{peer_host}:{peer_port}".encode()
+        return hmac.new(self._session_key, peer, hashlib.sha256).hexdigest()[:32]
+
     def read(self, mm_hash: str) -> Instance[ReadCtx] | None:
         return self.bus.get(EC_CONSUMER_READ, mm_hash)
+
+    def has_reads(self) -> bool:
+        """Whether any read lives (in flight, retrying or quarantined): its timeouts and
+        completions need the engine's steps."""
+        return self.bus.live(EC_CONSUMER_READ) > 0
 
     def in_flight(self, mm_hash: str) -> bool:
         """True while requests must wait for this read (not quarantined, not over)."""
@@ -161,7 +182,7 @@ class P2PConsumer:
             compat_hash=self.compat_hash,
             engine_id=self.engine_id,
             agent_name=self.engine_id,
-            session_id=self.session_id,
+            session_id=self.session_for(published.peer_host, published.peer_port),
             max_not_ready=self.max_not_ready,
             not_ready_s=self.not_ready_s,
             waiters={effect.waiter},
@@ -306,9 +327,11 @@ class P2PProducer:
         self.remote_errors = 0
         self.superseded = 0
         self.late_notifs = 0
+        self.foreign_notifs = 0
         machine = bus.register(EC_PRODUCER_GRANT, config)
         self.lease_s = machine.config["pin_lease_s"]
         self.max_per_peer = machine.config["producer_max_grants_per_peer"]
+        self.max_per_host = machine.config["producer_max_grants_per_host"]
         self.max_total = machine.config["producer_max_grants"]
 
     def pins(self) -> Counter[bytes | str]:
@@ -325,11 +348,18 @@ class P2PProducer:
             base_addr, layout.block_size_bytes, layout.num_blocks
         )
 
+    def pins_by_host(self) -> Counter[str]:
+        """Pins the consumers of each host hold now (S-03: a host may open any number of
+        ZMQ identities, so it is capped as a whole too)."""
+        return Counter(inst.ctx.host for inst in self.bus.tagged(EC_PRODUCER_GRANT, "leased"))
+
     def grants(self) -> list[Instance[GrantCtx]]:
         return self.bus.instances(EC_PRODUCER_GRANT)
 
-    def on_message(self, peer: bytes | str, data: bytes, now: float) -> None:
-        """A consumer's `XferReq` or `XferDone` arrived on the ROUTER from identity `peer`."""
+    def on_message(self, peer: bytes | str, data: bytes, now: float, *, host: str = "") -> None:
+        """A consumer's `XferReq` or `XferDone` arrived on the ROUTER from identity `peer`,
+        connected from `host` (its address: identities are free, so caps count hosts too,
+        S-03; '' when the adapter does not know it)."""
         shown = peer.hex() if isinstance(peer, bytes) else peer
         try:
             msg = ec_wire.decode_producer_message(data, peer=shown)
@@ -338,14 +368,20 @@ class P2PProducer:
             raise
         self.bus.advance(now)
         if isinstance(msg, ec_wire.XferReq):
-            self._on_request(peer, msg, shown, now)
+            self._on_request(peer, msg, shown, now, host)
         else:
             self._on_done(peer, msg, shown, now)
 
-    def _on_request(self, peer: bytes | str, req: ec_wire.XferReq, shown: str, now: float) -> None:
-        notif_key = f"{req.session_id}:{req.mm_hash}" if req.session_id else ""
+    def _on_request(
+        self, peer: bytes | str, req: ec_wire.XferReq, shown: str, now: float, host: str
+    ) -> None:
+        name = f"{req.session_id}:{req.mm_hash}" if req.session_id else ""
         # A stock vLLM consumer sends no transfer id: its grant is named by its session.
-        key = (peer, req.transfer_id or notif_key)
+        key = (peer, req.transfer_id or name)
+        # S-02: a consumer that speaks `xfer_done` releases its grant with `XferDone` only
+        # (its READ carries no notif), so no NIXL notif may release it; a consumer that
+        # announced its agent name is heard only from that agent.
+        notif_key = "" if XFER_DONE in req.extensions else name
         old = self.bus.get(EC_PRODUCER_GRANT, key)
         if old is not None and req.transfer_id:
             self.remote_errors += 1
@@ -356,7 +392,7 @@ class P2PProducer:
             self.superseded += 1
             self.bus.dispatch(EC_PRODUCER_GRANT, key, XferDone(False), now)
         entry = self.cache.entry(req.mm_hash)
-        pins = self.pins()
+        pins, by_host = self.pins(), self.pins_by_host()
         check = Check(
             req=req,
             expected_hash=self.compat_hash,
@@ -365,11 +401,13 @@ class P2PProducer:
             entry_blocks=() if entry is None else entry.ctx.blocks,
             entry_size_bytes=0 if entry is None else entry.ctx.size_bytes,
             peer_grants=pins[peer],
+            host_grants=by_host[host] if host else 0,
             total_grants=pins.total(),
         )
         ctx = GrantCtx(
             key,
             peer=peer,
+            host=host,
             mm_hash=req.mm_hash,
             agent_name=self.agent_name,
             agent_metadata=self.agent_metadata,
@@ -377,8 +415,10 @@ class P2PProducer:
             block_size_bytes=self.layout.block_size_bytes,
             mem_descriptor=self.mem_descriptor,
             notif_key=notif_key,
+            notif_sender=req.consumer_agent_name,
             lease_s=self.lease_s,
             max_per_peer=self.max_per_peer,
+            max_per_host=self.max_per_host,
             max_total=self.max_total,
         )
         self.bus.create(EC_PRODUCER_GRANT, ctx, now)
@@ -402,8 +442,9 @@ class P2PProducer:
     def on_read_notif(self, sender: str, message: bytes, now: float) -> bool:
         """NIXL: a consumer's READ arrived with notif `<session_id>:<mm_hash>` (C-03): the
         grant it names is released. False (counted in `late_notifs`) when no live grant
-        has that name (its lease ended, or it was released already); `RemoteProtocolError`
-        for a notif that is no such name."""
+        has that name (its lease ended, it was released already, or its consumer releases
+        with `XferDone`); `RemoteProtocolError` for a notif that is no such name, or one
+        from an agent other than the one the grant's consumer announced (S-02)."""
         try:
             key = bytes(message).decode("utf-8")
         except (UnicodeDecodeError, TypeError) as exc:
@@ -414,10 +455,24 @@ class P2PProducer:
             raise RemoteProtocolError(f"READ notif {key[:80]!r} names no grant", peer=sender)
         bus = self.bus
         bus.advance(now)
+        bound_elsewhere = ""
         for inst in bus.tagged(EC_PRODUCER_GRANT, "leased"):
-            if inst.ctx.notif_key == key:
-                bus.dispatch(EC_PRODUCER_GRANT, inst.key, ReadNotified(), now)
-                return True
+            ctx = inst.ctx
+            if ctx.notif_key != key:
+                continue
+            if ctx.notif_sender and ctx.notif_sender != sender:
+                bound_elsewhere = ctx.notif_sender  # never released by a bystander (S-02)
+                continue
+            bus.dispatch(EC_PRODUCER_GRANT, inst.key, ReadNotified(), now)
+            return True
+        if bound_elsewhere:
+            self.foreign_notifs += 1
+            self.remote_errors += 1
+            raise RemoteProtocolError(
+                f"READ notif {key[:80]!r} from agent {sender[:80]!r}: its grant is bound to "
+                f"agent {bound_elsewhere[:80]!r}",
+                peer=sender,
+            )
         self.late_notifs += 1
         return False
 

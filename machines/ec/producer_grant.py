@@ -15,9 +15,10 @@ entry it names. The guards are tried in order:
 4. `not_ready`: the entry is allocated but its GPU->mmap save has not landed ->
    `NACK_NOT_READY` (the consumer retries next step).
 5. `over_cap`: granting would make the asking consumer hold more than
-   `producer_max_grants_per_peer` pins, or this producer more than `producer_max_grants`
-   in all -> `NACK_INTERNAL` (S-03: one consumer cannot pin every entry; the consumer
-   encodes locally).
+   `producer_max_grants_per_peer` pins, the consumers of its host (its TCP peer address)
+   more than `producer_max_grants_per_host`, or this producer more than
+   `producer_max_grants` in all -> `NACK_INTERNAL` (S-03: one consumer cannot pin every
+   entry, nor one host by opening many ZMQ identities; the consumer encodes locally).
 6. `no_agent`: this producer has no NIXL agent registered yet -> `NACK_INTERNAL`.
 7. otherwise `OK`: the entry is pinned and the ack names the source block indices, the
    region base address and the producer's NIXL agent metadata (R-E11).
@@ -62,6 +63,9 @@ __all__ = [
 
 DEFAULT_MAX_GRANTS_PER_PEER = 256.0
 """Pins one consumer may hold on this producer at once (S-03)."""
+DEFAULT_MAX_GRANTS_PER_HOST = 1024.0
+"""Pins all consumers of one host (one peer address) may hold on this producer at once:
+ZMQ identities are free, so one host cannot take the total cap with many (S-03)."""
 DEFAULT_MAX_GRANTS = 4096.0
 """Pins all consumers together may hold on this producer at once (S-03)."""
 
@@ -75,6 +79,8 @@ class GrantCtx:
 
     key: GrantKey
     peer: bytes | str = b""
+    host: str = ""
+    """The consumer's address as its TCP connection says ('' when unknown)."""
     mm_hash: str = ""
     agent_name: str = ""
     agent_metadata: bytes = b""
@@ -84,11 +90,17 @@ class GrantCtx:
     """The region as vLLM's per-block descriptor list, for stock consumers (C-03)."""
     notif_key: str = ""
     """`<session_id>:<mm_hash>`: the READ notif that releases this grant ('' without a
-    session)."""
+    session, and for a consumer that advertised `xfer_done`: it releases with `XferDone`
+    only, S-02)."""
+    notif_sender: str = ""
+    """The NIXL agent the consumer announced (`consumer_agent_name`): its READ notif
+    counts only from that agent ('' from a stock vLLM consumer, which announces none)."""
     lease_s: float = DEFAULT_PIN_LEASE_S
     """How long a granted pin is held (`pin_lease_s`), announced in the ack."""
     max_per_peer: float = DEFAULT_MAX_GRANTS_PER_PEER
     """`producer_max_grants_per_peer` (S-03)."""
+    max_per_host: float = DEFAULT_MAX_GRANTS_PER_HOST
+    """`producer_max_grants_per_host` (S-03)."""
     max_total: float = DEFAULT_MAX_GRANTS
     """`producer_max_grants` (S-03)."""
 
@@ -106,6 +118,8 @@ class Check(PeerEvent):
     entry_size_bytes: int = 0
     peer_grants: int = 0
     """Pins the asking consumer holds now."""
+    host_grants: int = 0
+    """Pins the consumers of the asking consumer's host hold now."""
     total_grants: int = 0
     """Pins every consumer holds now."""
 
@@ -162,7 +176,11 @@ def _not_ready(ctx: GrantCtx, event: Check) -> bool:
 
 
 def _over_cap(ctx: GrantCtx, event: Check) -> bool:
-    return event.peer_grants >= ctx.max_per_peer or event.total_grants >= ctx.max_total
+    return (
+        event.peer_grants >= ctx.max_per_peer
+        or event.host_grants >= ctx.max_per_host
+        or event.total_grants >= ctx.max_total
+    )
 
 
 def _no_agent(ctx: GrantCtx, event: Check) -> bool:
@@ -304,6 +322,7 @@ EC_PRODUCER_GRANT: Declaration[GrantCtx] = Declaration(
     config_defaults={
         "pin_lease_s": DEFAULT_PIN_LEASE_S,
         "producer_max_grants_per_peer": DEFAULT_MAX_GRANTS_PER_PEER,
+        "producer_max_grants_per_host": DEFAULT_MAX_GRANTS_PER_HOST,
         "producer_max_grants": DEFAULT_MAX_GRANTS,
     },
 )

@@ -41,10 +41,19 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.machines.ec.cache import EmbeddingCache, EvictionObserver
-from kvhandoff.machines.ec.events import Pin, Publish
-from kvhandoff.machines.ec.meta import CopyItem, ECConnectorMeta, ECRequest, ECWorkerMeta
+from kvhandoff.machines.ec.events import Pin
+from kvhandoff.machines.ec.meta import (
+    CopyItem,
+    ECConnectorMeta,
+    ECRequest,
+    ECWorkerMeta,
+    computed_inputs,
+    input_of,
+    tokens_by_hash,
+)
 from kvhandoff.machines.ec.nixl_gate import require_nixl
 from kvhandoff.machines.ec.notices import EC_REQUEST_FAILURE, FailureCtx, take_notices
+from kvhandoff.machines.ec.publication import Publisher
 from kvhandoff.machines.ec.reports import plan_reports
 from kvhandoff.machines.ec.request import (
     EC_REQUEST,
@@ -68,12 +77,7 @@ from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.ec_config import ECLayout, ECTransferConfig
-from kvhandoff.protocol.ec_publication import (
-    PublishedEncoding,
-    parse_ec_transfer_params,
-    publish_entry,
-    unservable_entry,
-)
+from kvhandoff.protocol.ec_publication import PublishedEncoding, parse_ec_transfer_params
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:
@@ -129,6 +133,8 @@ class ECScheduler(P2PAdapterEvents):
         self.rejections = RejectionLog(log, what="worker report")
         self.report_counts = {"stale": 0, "duplicate": 0, "misdirected": 0, "refused": 0}
         self.bad_params = 0
+        self.loads_shared = 0
+        """Allocations served by a load of the same `mm_hash` already staged this step."""
         self.closed = False
         self._transfer_serials = itertools.count(1)
         self.bus.handle(FailRequest, self._request_failed)
@@ -139,6 +145,7 @@ class ECScheduler(P2PAdapterEvents):
             self.bus.handle(ReleaseSettlements, self._release_settlements)
         self.consumer: P2PConsumer | None = None
         self.producer: P2PProducer | None = None
+        self.publisher: Publisher | None = None
         if self.extra.ec_enable_nixl:
             self._start_p2p(compat_hash, machine_config or {}, transfer_ids)
 
@@ -169,6 +176,7 @@ class ECScheduler(P2PAdapterEvents):
                 transfer_ids=ids or ec_p2p.random_transfer_id,
             )
         if self.config.is_producer:
+            self.publisher = Publisher(self.bus, self.cache, self.layout, extra, overrides)
             self.producer = ec_p2p.P2PProducer(
                 self.bus,
                 self.cache,
@@ -197,6 +205,17 @@ class ECScheduler(P2PAdapterEvents):
         """Fire timeouts due at `now` (ack, read, quarantine, pin lease); the number fired."""
         self._open("poll")
         return self.bus.fire_due(now)
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for this connector (vLLM 0.33's
+        `has_pending_push_work`): while a save or a load is unconfirmed or an entry is held
+        (R-E05), while a P2P read is in flight, and always on a P2P producer, whose work
+        (`XferReq`s, READ notifs, pin leases) arrives from peers between requests."""
+        self._open("has_pending_work")
+        if self.producer is not None or self.cache.has_held():
+            return True
+        consumer = self.consumer
+        return consumer is not None and consumer.has_reads()
 
     def local_reason(self, request_id: str, mm_hash: str) -> str:
         """Why `mm_hash` of a live request is encoded locally ("" if it is not)."""
@@ -241,7 +260,8 @@ class ECScheduler(P2PAdapterEvents):
         inst = bus.get(EC_REQUEST, rid) or self._new_request(request, now)
         if not inst.has("unsettled"):
             return inst.has("schedulable")
-        tokens = _tokens_by_hash(request)
+        tokens = tokens_by_hash(request)
+        computed = computed_inputs(request, num_computed_tokens)
         for mm_hash in inst.ctx.mm_hashes:
             key = (rid, mm_hash)
             item = bus.get(EC_SETTLEMENT, key)
@@ -249,7 +269,10 @@ class ECScheduler(P2PAdapterEvents):
                 item = bus.create(EC_SETTLEMENT, SettlementCtx(key), now)
             elif not item.has("unsettled"):
                 continue
-            consider = self._consider(inst.ctx, mm_hash, tokens.get(mm_hash, 0))
+            if mm_hash in computed:  # vLLM 0.33: nothing to read for what is computed
+                consider = Consider(computed=True)
+            else:
+                consider = self._consider(inst.ctx, mm_hash, tokens.get(mm_hash, 0))
             bus.dispatch(EC_SETTLEMENT, key, consider, now)
             if not inst.has("unsettled"):  # failed: an encoding it had no media for is lost
                 return False
@@ -302,9 +325,17 @@ class ECScheduler(P2PAdapterEvents):
         """The engine allocated encoder cache for input `index` of `request`: plan its
         load from the tier (consumer) or its save (producer), each a new transfer."""
         self._open("update_state_after_alloc")
-        mm_hash, tokens = _input(request, index)
+        mm_hash, tokens = input_of(request, index)
         self.bus.advance(now)
         cache, rid = self.cache, request.request_id
+        if self.has_cache_item(mm_hash) and self._load_staged(mm_hash):
+            # Asked again in the same step (another request, or the same input twice):
+            # one load serves both, as in vLLM 0.33; this request's pin goes back.
+            held = self.bus.get(EC_SETTLEMENT, (rid, mm_hash))
+            if held is not None and held.has("holds_pin"):
+                self.bus.dispatch(EC_SETTLEMENT, held.key, Release(), now)
+            self.loads_shared += 1
+            return
         if self.has_cache_item(mm_hash):
             transfer_id = next(self._transfer_serials)
             held = self.bus.get(EC_SETTLEMENT, (rid, mm_hash))
@@ -322,6 +353,13 @@ class ECScheduler(P2PAdapterEvents):
             if entry is not None:
                 transfer_id = next(self._transfer_serials)
                 self._plan(transfer_id, mm_hash, "save", entry.ctx.blocks, tokens, rid, now)
+
+    def _load_staged(self, mm_hash: str) -> bool:
+        """Whether a load of `mm_hash` waits for this step's `build_connector_meta`."""
+        return any(
+            inst.ctx.mm_hash == mm_hash and inst.ctx.direction == "load"
+            for inst in self.bus.tagged(EC_TRANSFER, "staged")
+        )
 
     def _plan(
         self,
@@ -392,6 +430,8 @@ class ECScheduler(P2PAdapterEvents):
             except RemoteProtocolError as exc:  # ended by an earlier item: never raised
                 counts["stale"] += 1
                 self.rejections.reject("workers", exc, now)
+        if self.publisher is not None:
+            self.publisher.after_reports(now)
 
     def _load_lost(self, inst: Instance[Any] | None, effect: LoadLost) -> None:
         request = self.bus.get(EC_REQUEST, effect.request_id)
@@ -409,35 +449,8 @@ class ECScheduler(P2PAdapterEvents):
         rid = request.request_id
         if self.bus.get(EC_REQUEST, rid) is not None:
             self.bus.dispatch(EC_REQUEST, rid, Finished(), now)
-        if self.producer is None:
-            return {}
-        params: dict[str, dict[str, Any]] = {}
-        # vLLM 0.33's keys too (C-03): where each mm_hash sits, its modality when the
-        # request says it, and the shape a stock vLLM consumer reads an entry by.
-        indices: dict[str, list[int]] = {}
-        for index, mm_hash in enumerate(request.mm_hashes):
-            indices.setdefault(mm_hash, []).append(index)
-        modalities = tuple(getattr(request, "mm_modalities", ()) or ())
-        for mm_hash, where in indices.items():
-            entry = self.cache.entry(mm_hash)
-            metadata = request.mm_metadata.get(mm_hash)
-            modality = modalities[where[0]] if where[0] < len(modalities) else ""
-            if entry is None or not metadata:
-                params[mm_hash] = unservable_entry(modality=modality, item_indices=tuple(where))
-                continue
-            size = entry.ctx.size_bytes
-            rows = -(-size // self.layout.block_size_bytes)
-            params[mm_hash] = publish_entry(
-                metadata,
-                self.extra.side_channel_host,
-                self.extra.side_channel_port,
-                size,
-                modality=modality,
-                item_indices=tuple(where),
-                shape=(rows, self.layout.hidden_dim),
-            )
-            self.cache.deliver(mm_hash, Publish(), now)
-        return params
+        publisher = self.publisher
+        return {} if publisher is None else publisher.publish(request, now)
 
     def take_unavailable_requests(self) -> set[str]:
         """Ids of the requests failed on the scheduler side since the last call (B-05)."""
@@ -474,27 +487,7 @@ class ECScheduler(P2PAdapterEvents):
             out["unused_grants_released"] = self.consumer.unused_grants_released
         if self.producer is not None:
             out["producer_remote_errors"] = self.producer.remote_errors
+        if self.publisher is not None:
+            out["publication_holds"] = self.publisher.holds()
+            out["publications_unheld"] = self.publisher.publications_unheld
         return out
-
-
-def _tokens_by_hash(request: ECRequest) -> dict[str, int]:
-    hashes, tokens = request.mm_hashes, request.mm_tokens
-    return {h: int(t) for h, t in zip(hashes, tokens, strict=False)}
-
-
-def _input(request: ECRequest, index: int) -> tuple[str, int]:
-    """(`mm_hash`, tokens) of input `index` of `request`; `LocalProtocolError` if bad."""
-    hashes, tokens = request.mm_hashes, request.mm_tokens
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(hashes):
-        raise LocalProtocolError(
-            f"request {request.request_id!r} has {len(hashes)} multimodal inputs; no index "
-            f"{index!r}"
-        )
-    if index >= len(tokens):
-        raise LocalProtocolError(
-            f"request {request.request_id!r} names no token count for input {index}"
-        )
-    count = tokens[index]
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise LocalProtocolError(f"num_tokens must be a positive int, got {count!r}")
-    return hashes[index], count

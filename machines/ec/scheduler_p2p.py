@@ -65,9 +65,12 @@ class P2PAdapterEvents:
         """ZMQ: consumer identity `peer` left the ROUTER (its grants keep their lease)."""
         self._need_producer("on_consumer_disconnected").on_peer_disconnected(peer, now)
 
-    def on_producer_message(self, peer: bytes | str, data: bytes, now: float) -> None:
-        """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`."""
-        self._need_producer("on_producer_message").on_message(peer, data, now)
+    def on_producer_message(
+        self, peer: bytes | str, data: bytes, now: float, *, host: str = ""
+    ) -> None:
+        """ZMQ: an `XferReq`/`XferDone` arrived on the ROUTER from identity `peer`, over a
+        connection from `host` (its IP address, '' when unknown)."""
+        self._need_producer("on_producer_message").on_message(peer, data, now, host=host)
 
     def on_read_notif(self, sender: str, message: bytes, now: float) -> bool:
         """NIXL: a consumer's READ notif `<session_id>:<mm_hash>` arrived (C-03)."""

@@ -5,6 +5,9 @@ encoding comes from is a guarded transition here, taken on `Consider`: a snapsho
 facts the scheduler sees at `now` (is the entry in the tier, is a read of it in flight,
 is our own save landing, what did the producer publish). The guards are tried in order:
 
+0. `computed`: the engine computed the positions of this input already
+   (`num_computed_tokens` past it, as vLLM 0.33 checks): nothing is read or loaded ->
+   `computed` (settled).
 1. `loadable`: the bytes are in the tier -> `held` (the entry is pinned until the
    request's load is planned, so no eviction takes it in between).
 2. `read_in_flight`: another request's read of it is on the way -> `awaiting_read`
@@ -84,6 +87,8 @@ class SettlementCtx:
 class Consider(Event):
     """What the scheduler sees of `mm_hash` at `now` (see the module docstring)."""
 
+    computed: bool = False
+    """The engine's computed tokens are past this input: it needs no encoding."""
     loadable: bool = False
     read_in_flight: bool = False
     own_save_pending: bool = False
@@ -142,6 +147,10 @@ class LeaveRead(Effect):
 # -- guards ------------------------------------------------------------------------------
 
 
+def _computed(ctx: SettlementCtx, event: Consider) -> bool:
+    return event.computed
+
+
 def _loadable(ctx: SettlementCtx, event: Consider) -> bool:
     return event.loadable
 
@@ -186,6 +195,10 @@ def _hold(ctx: SettlementCtx, event: Consider | ReadLanded) -> list[Effect]:
         Emit(EC_CACHE_ENTRY, ctx.mm_hash, Pin()),
         Emit(EC_REQUEST, ctx.request_id, Settled(ctx.mm_hash)),
     ]
+
+
+def _not_needed(ctx: SettlementCtx, event: Consider) -> list[Effect]:
+    return [Emit(EC_REQUEST, ctx.request_id, Settled(ctx.mm_hash))]
 
 
 def _join(ctx: SettlementCtx, event: Consider) -> list[Effect]:
@@ -270,6 +283,7 @@ EC_SETTLEMENT: Declaration[SettlementCtx] = Declaration(
         {"name": "new", "tags": ("unsettled",)},
         {"name": "awaiting_read", "tags": ("unsettled", "waiting")},
         {"name": "awaiting_save", "tags": ("unsettled", "waiting")},
+        {"name": "computed", "tags": ("settled",)},
         {"name": "held", "tags": ("settled", "holds_pin")},
         {"name": "loading", "tags": ("settled",)},
         {"name": "local", "tags": ("settled", "encode_locally")},
@@ -277,6 +291,13 @@ EC_SETTLEMENT: Declaration[SettlementCtx] = Declaration(
     ],
     initial="new",
     transitions=[
+        {
+            "trigger": Consider,
+            "source": _CONSIDER,
+            "dest": "computed",
+            "conditions": "computed",
+            "after": "not_needed",
+        },
         {
             "trigger": Consider,
             "source": _CONSIDER,
@@ -338,17 +359,20 @@ EC_SETTLEMENT: Declaration[SettlementCtx] = Declaration(
         {"trigger": Release, "source": "awaiting_read", "dest": "released", "after": "leave"},
         {
             "trigger": Release,
-            "source": ["new", "awaiting_save", "loading", "local"],
+            "source": ["new", "awaiting_save", "computed", "loading", "local"],
             "dest": "released",
         },
     ],
     ignore=[
         ("awaiting_read", Consider),
+        ("computed", Consider),
         ("held", Consider),
         ("loading", Consider),
         ("local", Consider),
     ],
     callbacks={
+        "computed": _computed,
+        "not_needed": _not_needed,
         "loadable": _loadable,
         "read_in_flight": _read_in_flight,
         "own_save_pending": _own_save_pending,

@@ -307,8 +307,12 @@ class PushWorker:
         notif, peer = item.notif, item.peer
         if isinstance(notif, HeartbeatNotif) and self.role == "prefill":
             unknown = self._heartbeat(notif.request_ids, item.engine, peer, now)
-            if unknown:
-                raise RemoteProtocolError(f"heartbeat for unknown requests {unknown}", peer=peer)
+            if unknown:  # named in brief: a heartbeat may carry thousands of ids (S-06)
+                shown = ", ".join(repr(i[:64]) for i in unknown[:3])
+                more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+                raise RemoteProtocolError(
+                    f"heartbeat for unknown requests: {shown}{more}", peer=peer
+                )
         elif isinstance(notif, CompletionNotif) and self.role == "prefill" and self.mode == "pull":
             event = Completion(peer, item.engine, item.rank, notif.tp_size)
             self.bus.dispatch(PULL_P_LEASE, notif.request_id, event, now)

@@ -7,6 +7,10 @@ The text depends on the declaration (and the groups it is drawn with) alone:
   (one watchdog or lease spanning several states) as a group;
 - a transition that leaves every state of a group alike (the same event, guard, action
   and destination outside the group: a timeout, an abort) is drawn once, from the group;
+- an event that chooses among the same guarded alternatives in several states (the same
+  guards, in the same order, to the same destinations; a re-entry of one of those states
+  counts as going there) is drawn through one decision point (a small diamond): the
+  states lead into it unlabelled and each alternative leaves it once, with its label;
 - a timeout or an event still leaving several places alike is drawn through one merge
   point (a small diamond), so its label is written once;
 - events that leave the state as it is (internal transitions and self-loops) and the
@@ -212,7 +216,10 @@ def render_mermaid(
         if not _quiet(t) and (t.source, sig) not in hoisted and (t.source, sig) not in edges:
             edges.append((t.source, sig))
     finals_from += [s for s in decl.state_names if s in decl.final_states - grouped_finals]
-    lines, junctions = _merge_points(edges)
+    edges, lines, junctions = _decision_points(decl, edges)
+    merged, merge_junctions = _merge_points(edges)
+    lines += merged
+    junctions += merge_junctions
     labels: dict[tuple[str, str], list[str]] = {}
     for source, dest, label in lines:
         labels.setdefault((source, dest), [])
@@ -246,6 +253,39 @@ def render_mermaid(
     chosen = direction or choose_direction(decl)
     header = ["---", f"title: {decl.name}", "---", "stateDiagram-v2", f"  direction {chosen}"]
     return "\n".join(header + body) + "\n"
+
+
+def _decision_points(
+    decl: Declaration[Any], edges: Sequence[tuple[str, _Sig]]
+) -> tuple[list[tuple[str, _Sig]], list[tuple[str, str, str]], list[str]]:
+    """The edges left, and the lines and junctions of the decision points: an event whose
+    alternatives (two or more; every transition it takes in a state, a re-entry included,
+    none of them internal or hoisted to a group) are the same in several states."""
+    alternatives: dict[tuple[str, str], list[_Sig | None]] = defaultdict(list)
+    for t in decl.transition_decls:
+        alternatives[(t.source, t.trigger)].append(None if t.dest is None else _sig(decl, t))
+    drawn = set(edges)
+    sources: dict[tuple[str, tuple[_Sig, ...]], list[str]] = defaultdict(list)
+    for (source, trigger), options in alternatives.items():
+        sigs = tuple(sig for sig in options if sig is not None)
+        if len(sigs) < 2 or len(sigs) < len(options):
+            continue
+        if all((source, sig) in drawn for sig in sigs if sig.dest != source):
+            sources[(trigger, sigs)].append(source)
+    taken: set[tuple[str, _Sig]] = set()
+    lines: list[tuple[str, str, str]] = []
+    junctions: list[str] = []
+    for (trigger, sigs), places in sources.items():
+        if len(places) < 2:
+            continue
+        junction = f"decide_{safe_id(trigger)}"
+        while junction in junctions:
+            junction += "_"
+        junctions.append(junction)
+        lines += [(place, junction, "") for place in places]
+        lines += [(junction, sig.dest, _label(sig)) for sig in dict.fromkeys(sigs)]
+        taken.update((place, sig) for place in places for sig in sigs)
+    return [edge for edge in edges if edge not in taken], lines, junctions
 
 
 def _merge_points(

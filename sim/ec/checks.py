@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvhandoff.machines.ec.consumer_read import EC_CONSUMER_READ
 from kvhandoff.machines.ec.producer_grant import EC_PRODUCER_GRANT
+from kvhandoff.machines.ec.publication_hold import EC_PUBLICATION_HOLD
 from kvhandoff.machines.ec.request import EC_REQUEST
 from kvhandoff.machines.ec.settlement import EC_SETTLEMENT
 from kvhandoff.machines.runtime.compiled import Instance
@@ -51,7 +52,11 @@ def check_read_retired(world: SimulatedECWorld, inst: Instance[Any]) -> None:
     if inst.has("landed"):
         world.reads_done.add(str(inst.key))
     elif inst.has("fell_back"):
-        if reason not in READ_FALLBACKS and not (reason == "NACK_NOT_READY" and spent):
+        # The not-ready budget ends a read at a NACK or at the step it is due (R-E08).
+        budget = (reason == "NACK_NOT_READY" and spent) or (
+            reason == "not_ready_timeout" and timed_out
+        )
+        if reason not in READ_FALLBACKS and not budget:
             world.violation(f"read of {inst.key} fell back for {reason!r}")
     elif inst.has("quarantine_ended") and reason not in QUARANTINE_REASONS:
         world.violation(f"read of {inst.key} quarantined for {reason!r}")
@@ -84,11 +89,14 @@ def check_invariants(world: SimulatedECWorld) -> None:
             if now - granted_at > DEFAULT_PIN_LEASE_S + EPS:
                 world.violation(f"grant {grant.key} outlives its lease")
             grants[grant.ctx.mm_hash] = grants.get(grant.ctx.mm_hash, 0) + 1
+        # A just-published entry is pinned once more by its publication hold (R-E06).
+        for hold in producer.scheduler.bus.tagged(EC_PUBLICATION_HOLD, "holding"):
+            grants[hold.ctx.key] = grants.get(hold.ctx.key, 0) + 1
         for entry in producer.scheduler.cache.entries():
             if entry.ctx.pins != grants.get(entry.ctx.key, 0):
                 world.violation(
                     f"producer {entry.key} has {entry.ctx.pins} pins for "
-                    f"{grants.get(entry.ctx.key, 0)} live grants"
+                    f"{grants.get(entry.ctx.key, 0)} live grants and publication holds"
                 )
     consumer = plane.consumer
     if consumer.alive:

@@ -3,8 +3,9 @@
 Each engine step encodes a few requests (fills their encoder outputs with the seeded
 bytes of `ec_requests.encoding`), saves them into the `/dev/shm` region and publishes
 their `ec_transfer_params` from `request_finished` as `finished` events. The planned
-detours: the `late` request is followed by an unpublished encoding that needs its room
-(FIFO evicts it, announced as `evicted`, B-01); the `slow` request's save is held until
+detours: the `late` request is followed by an unpublished encoding that needs its room,
+once the late one's publication hold let go of it (`producer_publish_pin_s`, R-E06;
+FIFO evicts it, announced as `evicted`, B-01); the `slow` request's save is held until
 the producer has answered `NACK_NOT_READY` for it (or `HOLD_MAX_S` passed). Commands on
 stdin: `encode`, `release`, `status`, `stop`.
 """
@@ -178,6 +179,18 @@ class ProducerLoop:
             if req.case != "filler":
                 self._publish(req, info)
 
+    def _next_group(self) -> list[ECDemoRequest]:
+        """The next step's requests; a filler waits until the entry it is to evict is no
+        longer pinned by its publication hold (`producer_publish_pin_s`, R-E06)."""
+        publisher = self.side.scheduler.publisher
+        if not self.todo:
+            return []
+        for req in self.todo[0]:
+            victim = req.mm_hash.removeprefix("filler-")
+            if req.case == "filler" and publisher is not None and publisher.holding(victim):
+                return []
+        return self.todo.pop(0)
+
     def run(self) -> dict[str, Any]:
         side = self.side
         encoded = 0
@@ -186,14 +199,16 @@ class ProducerLoop:
             if not self._commands():
                 break
             self._release_due()
-            group = self.todo.pop(0) if self.todo else []
+            group = self._next_group()
             if group and self.rss_start is None:
                 self.rss_start = rss_mb()
             self._step(group)
             encoded += len(group)
             pace(self.opts, busy=bool(group))
         self.held.clear()  # held saves land now; grants end with XferDone or the pin lease
-        until = min(self.deadline, time.monotonic() + side.extra.pin_lease_s + 2.0)
+        # Grants end by their lease at the latest, publication holds by theirs (R-E06).
+        lease_s = max(side.extra.pin_lease_s, side.extra.producer_publish_pin_s)
+        until = min(self.deadline, time.monotonic() + lease_s + 2.0)
         settle(side, self.opts, until, lambda: self._step([]))
         return {
             "role": "producer",

@@ -195,6 +195,7 @@ def ec_request(
         ),
         mm_tokens=tuple(_num_embeds(f) for f in features),
         mm_modalities=tuple(str(getattr(f, "modality", "") or "") for f in features),
+        mm_ends=tuple(int(f.mm_position.offset) + int(f.mm_position.length) for f in features),
     )
 
 
@@ -335,10 +336,10 @@ class KVHandoffECConnector(ECConnectorBase):
         return side.request_finished(info)
 
     def has_pending_push_work(self) -> bool:
-        """True while a producer holds a grant a consumer's READ may still use: vLLM keeps
-        stepping the engine, so the grant's release (or expiry) is seen (R-E12)."""
-        producer = None if self.side is None else self.side.scheduler.producer
-        return producer is not None and bool(producer.pins())
+        """True while the engine must keep stepping (as vLLM 0.33's connector): a save or
+        load unconfirmed, a read alive, or a P2P producer, whose requests come from peers
+        (`ECScheduler.has_pending_work`)."""
+        return self.side is not None and self.side.has_pending_push_work()
 
     def get_ec_connector_stats(self) -> KVHandoffECConnectorStats | None:
         """Scheduler: what moved since the last call (`stats.ec_totals`: events by name,
