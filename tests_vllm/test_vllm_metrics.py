@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_connector_nixl import BLOCK, P_LEG, Engine, _d_leg, _prompt, _request, _run
+from connector_engines import BLOCK, P_LEG, Engine
+from connector_engines import d_leg as _d_leg
+from connector_engines import prompt as _prompt
+from connector_engines import request as _request
+from connector_engines import run as _run
 
 import vllm_harness
 

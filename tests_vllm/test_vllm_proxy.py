@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_connector_nixl import BLOCK, Engine, Run, _prompt, _run
+from connector_engines import BLOCK, Engine, Run
+from connector_engines import prompt as _prompt
+from connector_engines import run as _run
 
 from kvhandoff.protocol.legs import PrefillCoordinates
 from kvhandoff.proxy import prefill_body, pull_decode_body, push_decode_body
@@ -63,7 +65,7 @@ def test_R_P01_C_05_proxy_legs_push_kv_between_two_real_vllm_schedulers(
     run = Run()
     for rid, registration in first_d.kv_connector_metadata.push.push_registrations.items():
         run.registered[rid] = list(registration.block_ids)
-    run = _run(prefill, decode, run=run)
+    run = _run(prefill, decode, seen=run)
     assert run.verified == set(lengths)
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in d_requests.values())
     assert all(len(r.output_token_ids) == 3 for r in d_requests.values())
@@ -85,7 +87,7 @@ def pull_pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
 def test_R_P01_C_02_proxy_relays_ps_answer_to_d_in_pull_mode(
     pull_pair: tuple[Engine, Engine],
 ) -> None:
-    from test_vllm_connector_nixl import STEP_LIMIT
+    from connector_engines import STEP_LIMIT
     from vllm.v1.request import RequestStatus
 
     import vllm_harness
