@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 DEPS_STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier bench-vllm wheel-check
+.PHONY: demo test install soak-hostile lint typecheck specs-check unit fuzz diagrams docs chromium vllm-env vllm-tier bench-vllm wheel-check
 
 # The vLLM test tier runs in its own environment: vLLM 0.33.0 installed slim (the CPU torch,
 # vllm itself without its dependencies, then its pure-Python dependencies pinned in
@@ -63,6 +63,11 @@ specs-check: install
 
 unit: install
 	$(BIN)/pytest -q -rs
+
+# Issue 27: 60 s of legitimate push and encoder-cache traffic while attackers flood every
+# listener; one JSON line, non-zero exit if any legitimate request failed.
+soak-hostile: install
+	$(BIN)/kvhandoff soak --hostile --seconds 60
 
 test: lint typecheck specs-check docs vllm-env wheel-check unit vllm-tier
 

@@ -427,6 +427,14 @@ class ECSide(ProducerEdges, ConsumerEdges, EngineCalls):
                 read_post_failures=reader.post_failures,
                 reads_abandoned=reader.abandoned,
             )
+        server = self.server
+        if server is not None:  # the producer's ROUTER (S-01, S-03, S-06)
+            out.update(
+                router_accepted=server.accepted,
+                router_dropped=server.dropped,
+                router_oversized=server.oversized,
+                router_disconnects=server.disconnects,
+            )
         out.update(
             rejected=self.rejected,
             rejected_by_reason=self.rejections.reasons(),

@@ -238,7 +238,13 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     from kvhandoff.soak.run import run_soak
 
     _trace_to(args.trace)
-    result = run_soak(args.seconds, args.faults, args.seed, args.ec_faults)
+    if args.hostile:
+        from kvhandoff.soak.hostile import run_hostile_soak
+
+        result = run_hostile_soak(args.seconds or 60.0, args.seed, args.attack_rate)
+        print(json.dumps(result))  # one JSON line, --json or not
+        return 1 if result["failed"] or result["leaked"] else 0
+    result = run_soak(args.seconds or 30.0, args.faults, args.seed, args.ec_faults)
     if not args.json:
         for key, value in result.items():
             print(f"{key}: {value}")
@@ -373,7 +379,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     soak = sub.add_parser("soak", help="push and encoder-cache traffic under injected faults")
-    soak.add_argument("--seconds", type=float, default=30.0)
+    soak.add_argument("--seconds", type=float, default=None, help="30 (60 with --hostile)")
+    soak.add_argument(
+        "--hostile",
+        action="store_true",
+        help="no injected faults: attackers flood every listener while legitimate "
+        "requests flow (issue 27); exits non-zero if any legitimate request failed",
+    )
+    soak.add_argument(
+        "--attack-rate", type=float, default=1.0, help="--hostile: scales the floods' pace"
+    )
     soak.add_argument(
         "--faults",
         default="write_fail=0.02,notif_drop=0.01,handshake_fail=0.05",

@@ -31,11 +31,14 @@ class RoleProcess:
             return None
 
 
-def start_role(name: str, argv: Sequence[str], prefix: Sequence[str] = ()) -> RoleProcess:
-    """Start `kvhandoff <argv>` as a child; `prefix` wraps it (e.g. `ip netns exec NS`)."""
+def start_role(
+    name: str, argv: Sequence[str], prefix: Sequence[str] = (), module: str = "kvhandoff"
+) -> RoleProcess:
+    """Start `python -m <module> <argv>` (`kvhandoff <argv>`) as a child; `prefix` wraps it
+    (e.g. `ip netns exec NS`)."""
     env = dict(os.environ, NIXL_LOG_LEVEL="WARN", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "kvhandoff", *argv],
+        [*prefix, sys.executable, "-m", module, *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

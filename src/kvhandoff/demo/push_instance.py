@@ -102,6 +102,43 @@ class LivePushInstance:
             "writer_errors": self.writer.errors,
             "metrics": {**side.scheduler.bus.metrics, **side.ranks[0].bus.metrics},
             "failures": side.stats(),
+            "rejected_by_reason": self.rejected_by_reason(),
+            "registrations_dropped": self.registrations_dropped(),
+            "side_channel": self.side_channel_counters(),
+        }
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        """Notifs rejected by cause (S-06): the writer's and the main thread's, and the
+        notif bundles the transport dropped whole, summed over the ranks."""
+        out: dict[str, int] = {}
+        for rank in self.side.ranks:
+            logs = [rank.writer.rejections, rank.worker.rejections]
+            bundles = getattr(rank.transport, "bundle_rejections", None)
+            if bundles is not None:
+                logs.append(bundles)
+            for log in logs:
+                for cause, count in log.reasons().items():
+                    out[cause] = out.get(cause, 0) + count
+        return out
+
+    def registrations_dropped(self) -> dict[str, int]:
+        """PUSH_REGs the writers' match slots let go, by reason (a duplicate changes
+        nothing; a registration no request of this P matched expires)."""
+        out: dict[str, int] = {}
+        for rank in self.side.ranks:
+            for reason, count in rank.writer.dropped.items():
+                out[reason] = out.get(reason, 0) + count
+        return out
+
+    def side_channel_counters(self) -> dict[str, Any]:
+        """What the ZMQ side channel served, dropped and shed (S-03, B-11, S-06)."""
+        server = self.server
+        return {
+            "connections_accepted": server.connections_accepted,
+            "connections_shed": dict(server.connections_shed),
+            "requests_served": server.requests_served,
+            "requests_dropped": server.requests_dropped,
+            "rejected_by_reason": server.rejections.reasons(),
         }
 
     def close(self) -> None:

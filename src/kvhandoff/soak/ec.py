@@ -48,9 +48,15 @@ class ECSoak:
     """Starts the two roles (`start`), relays publications (`on_event`), sums up."""
 
     def __init__(
-        self, seconds: float, faults: str, seed: int, progress: Callable[[str], None]
+        self,
+        seconds: float,
+        faults: str,
+        seed: int,
+        progress: Callable[[str], None],
+        configs: tuple[dict[str, Any], dict[str, Any]] = (PRODUCER_CONFIG, CONSUMER_CONFIG),
     ) -> None:
         self.seconds = seconds
+        self.producer_config, self.consumer_config = configs
         self.faults = faults
         self.seed = seed
         self.progress = progress
@@ -79,8 +85,8 @@ class ECSoak:
         ]  # fmt: skip
 
     def start(self) -> list[RoleProcess]:
-        producer = self._argv("producer", PRODUCER_STEP_MS, 1, PRODUCER_CONFIG)
-        consumer = self._argv("consumer", CONSUMER_STEP_MS, 4, CONSUMER_CONFIG)
+        producer = self._argv("producer", PRODUCER_STEP_MS, 1, self.producer_config)
+        consumer = self._argv("consumer", CONSUMER_STEP_MS, 4, self.consumer_config)
         self.roles["producer"] = start_role("producer", [*producer, "--listen", "127.0.0.1:0"])
         self.roles["consumer"] = start_role("consumer", [*consumer, "--relay"])
         return list(self.roles.values())

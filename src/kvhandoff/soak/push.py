@@ -48,9 +48,15 @@ class PushSoak:
     """Starts the two roles (`start`), takes their events (`on_event`), sums up."""
 
     def __init__(
-        self, seconds: float, faults: str, seed: int, progress: Callable[[str], None]
+        self,
+        seconds: float,
+        faults: str,
+        seed: int,
+        progress: Callable[[str], None],
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.seconds = seconds
+        self.config = PUSH_CONFIG if config is None else config
         self.faults = faults
         self.seed = seed
         self.progress = progress
@@ -66,7 +72,7 @@ class PushSoak:
             "--requests", str(self.requests), "--seed", str(self.seed), "--per-step", "1",
             "--step-ms", str(STEP_MS), "--wait-go", "--deadline", str(self.seconds + 60),
             "--faults", self.faults, "--fault-seed", str(fault_seed),
-            "--config", json.dumps(PUSH_CONFIG),
+            "--config", json.dumps(self.config),
         ]  # fmt: skip
 
     def start_prefill(self) -> None:
