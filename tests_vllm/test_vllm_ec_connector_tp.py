@@ -14,15 +14,14 @@ encoder cache and report the load under the same transfer id, every byte checked
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 import torch
 from ec_workers import HIDDEN, ROWS, ECWorkerProc, stub_config
-from test_vllm_ec_connector import free_port, request
+from test_vllm_ec_connector import free_port, request, until
 
 pytestmark = pytest.mark.integration
 
@@ -84,13 +83,6 @@ class TPEngine:
                 worker.close()
         finally:
             self.sched.shutdown()
-
-
-def until(step: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not step():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {limit_s} s")
 
 
 @pytest.fixture

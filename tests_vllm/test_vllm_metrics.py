@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from connector_engines import BLOCK, P_LEG, Engine
+from connector_engines import BLOCK, P_LEG, Engine, engines
 from connector_engines import d_leg as _d_leg
 from connector_engines import prompt as _prompt
 from connector_engines import request as _request
@@ -45,15 +45,7 @@ class Recorded:
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
-    prefill = Engine(tiny_model_dir, "kv_producer")
-    decode = Engine(tiny_model_dir, "kv_consumer")
-    try:
-        prefill.start()
-        decode.start()
-        yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
+    yield from engines(tiny_model_dir, 1)
 
 
 def _stepping(engine: Engine, stats: list[Any]) -> None:

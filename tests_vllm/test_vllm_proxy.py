@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from connector_engines import BLOCK, Engine, Run
+from connector_engines import BLOCK, Engine, Run, engines
 from connector_engines import prompt as _prompt
 from connector_engines import run as _run
 
@@ -22,15 +22,7 @@ from kvhandoff.proxy import prefill_body, pull_decode_body, push_decode_body
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
-    prefill = Engine(tiny_model_dir, "kv_producer")
-    decode = Engine(tiny_model_dir, "kv_consumer")
-    try:
-        prefill.start()
-        decode.start()
-        yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
+    yield from engines(tiny_model_dir, 1)
 
 
 def _vllm_request(request_id: str, body: dict[str, Any]) -> Any:
@@ -73,15 +65,7 @@ def test_R_P01_C_05_proxy_legs_push_kv_between_two_real_vllm_schedulers(
 
 @pytest.fixture(scope="module")
 def pull_pair(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
-    prefill = Engine(tiny_model_dir, "kv_producer", mode="pull")
-    decode = Engine(tiny_model_dir, "kv_consumer", mode="pull")
-    try:
-        prefill.start()
-        decode.start()
-        yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
+    yield from engines(tiny_model_dir, 1, mode="pull")
 
 
 def test_R_P01_C_02_proxy_relays_ps_answer_to_d_in_pull_mode(
