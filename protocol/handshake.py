@@ -67,6 +67,9 @@ EXT_PUSH_FAIL: Final = "push_fail"
 """The peer understands ``PUSH_FAIL`` notifs (B-10); a stock vLLM D does not advertise it."""
 EXT_AUTH: Final = "auth"
 """The peer seals its control notifs with the cluster key whose id it advertises (S-05)."""
+EXT_CUDA_IPC: Final = "cuda_ipc"
+"""The peer takes a D's CUDA IPC export notif and may WRITE through it on one host (issue
+18); a D sends its export only to a P that advertises this, never to a stock vLLM P."""
 DEFAULT_MAX_HANDSHAKE_BYTES: Final = 16 << 20
 DEFAULT_MAX_REGIONS: Final = 65536
 _ADDRESS_LIMIT: Final = 1 << 64

@@ -27,7 +27,7 @@ _COUNTS = frozenset(
     }
 )
 _TEXT = frozenset({"nixl_backend", "cluster_key"})
-_FLAGS = frozenset({"nixl_progress_thread"})
+_FLAGS = frozenset({"nixl_progress_thread", "cuda_ipc"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,10 @@ class PushConfig:
     nixl_progress_thread: bool = False
     """NIXL's own progress thread spins a core; by default the writer's passes and the
     engine steps drive UCX progress instead (measured faster on small hosts)."""
+    cuda_ipc: bool = True
+    """With KV in VRAM, push mode: WRITE to a D on the same host through CUDA IPC when both
+    engines are kvhandoff (D exports its KV to a P advertising ``cuda_ipc``; any refusal
+    keeps that rank on NIXL). Off: NIXL only."""
     cluster_key: str | None = field(default=None, repr=False)
     """The shared secret that seals control notifs between kvhandoff peers (S-05)."""
     sealed_notif_ttl: float = 120.0

@@ -36,6 +36,8 @@ class StubNixl:
         default_factory=list
     )
     forgotten: list[str] = field(default_factory=list)
+    peer_extensions: frozenset[str] = frozenset()
+    advertised: tuple[str, ...] = ()
 
     @property
     def layout(self) -> StubLayout:
@@ -44,7 +46,16 @@ class StubNixl:
     def engine(self, engine_id: str) -> EngineInfo | None:
         if engine_id != "D" or not self.connected:
             return None
-        return EngineInfo("D", 1, 1, frozenset(), (RankInfo(0, "d-agent", 1, 1 << 20),))
+        return EngineInfo("D", 1, 1, self.peer_extensions, (RankInfo(0, "d-agent", 1, 1 << 20),))
+
+    def connect(self, engine: object, routes: object) -> EngineInfo:
+        self.connected = True
+        info = self.engine("D")
+        assert info is not None
+        return info
+
+    def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
+        self.advertised = tuple(extensions)
 
     def identify(self, agent_name: str) -> tuple[str, int] | None:
         return ("D", 0) if agent_name == "d-agent" else None

@@ -11,6 +11,7 @@ from ipc_stub import StubNixl
 
 from kvhandoff.adapters.cuda import ipc_runtime
 from kvhandoff.adapters.cuda.ipc_export import (
+    IPC_EXPORT_PREFIX,
     IPC_EXPORT_VERSION,
     IpcExport,
     IpcRegion,
@@ -18,6 +19,7 @@ from kvhandoff.adapters.cuda.ipc_export import (
     encode_export,
 )
 from kvhandoff.adapters.cuda.ipc_transport import IpcHandle, IpcPushTransport
+from kvhandoff.protocol.handshake import EXT_CUDA_IPC
 from kvhandoff.protocol.member_routing import MemberSlot
 
 SLOTS = (MemberSlot("layer.0.k", 0, 1 << 20, 4096, 8), MemberSlot("layer.0.v", 0, 2 << 20, 4096, 8))
@@ -91,6 +93,21 @@ def test_a_decoder_without_cuda_exports_nothing() -> None:
     stub = StubNixl(slots=SLOTS)
     ipc = IpcPushTransport(stub, device=0, export=not ipc_runtime.available())  # type: ignore[arg-type]
     assert ipc._export is None
+
+
+def test_C_04_the_export_goes_only_to_a_peer_advertising_cuda_ipc() -> None:
+    """A stock vLLM P advertises no ``cuda_ipc``: D's export notif is never sent to it
+    (it would be an unknown notif there); a kvhandoff P's wrapper advertises it."""
+    for extensions, sent in ((frozenset(), 0), (frozenset({EXT_CUDA_IPC}), 1)):
+        stub = StubNixl(slots=SLOTS, peer_extensions=extensions)
+        ipc = IpcPushTransport(stub, device=0)  # type: ignore[arg-type]
+        ipc._export = encode_export(_export("host/boot"))
+        ipc.connect(None, None)  # type: ignore[arg-type]
+        assert [m for _e, _r, m in stub.sent if m.startswith(IPC_EXPORT_PREFIX)] == (
+            [ipc._export] * sent
+        )
+    ipc.advertise(["push_fail"], "")
+    assert stub.advertised == ("push_fail", EXT_CUDA_IPC)
 
 
 def test_importing_the_wrapper_imports_no_triton_or_cuda_bindings() -> None:

@@ -48,20 +48,25 @@ from stock_vllm_worker import WorkerProcess
 
 import vllm_harness
 
-CONNECTORS = {"kvhandoff": KVHANDOFF, "vllm": STOCK}
+CONNECTORS = {"kvhandoff": KVHANDOFF, "vllm": STOCK, "kvhandoff_nixl": KVHANDOFF}
+EXTRA: dict[str, dict[str, Any]] = {"kvhandoff_nixl": {"cuda_ipc": False}}
+"""`kvhandoff_nixl`: kvhandoff's connector with CUDA IPC off, NIXL VRAM WRITEs only (the
+fallback path, on the same transport vLLM's connector uses)."""
 
 
 # --------------------------------------------------------------------------- worker side
 
 
-def pattern(tag: int, ordinal: int, layer: int, nbytes: int, device: Any) -> Any:
-    """The bytes a prefill "computes" for one block of one layer: distinct per word and per
-    (request, block, layer), made on the device."""
+def patterns(tag: int, ordinals: Any, layer: int, nbytes: int, device: Any) -> Any:
+    """The bytes a prefill "computes" for blocks `ordinals` (a tensor) of one request and
+    one layer, one row per block: distinct per word and per (request, block, layer), made
+    on the device in one go (a few kernels per layer, not one per block)."""
     import torch
 
-    seed = ((tag * 4099 + ordinal) * 257 + layer) * 2654435761 % (1 << 31)
+    seeds = ((tag * 4099 + ordinals) * 257 + layer) * 2654435761 % (1 << 31)
     words = torch.arange(nbytes // 4, dtype=torch.int64, device=device)
-    return ((words * 40503 + seed) % (1 << 31)).to(torch.int32).view(torch.uint8)
+    rows = (words[None, :] * 40503 + seeds[:, None]) % (1 << 31)
+    return rows.to(torch.int32).view(torch.uint8)
 
 
 class BenchWorkerState:
@@ -78,27 +83,57 @@ class BenchWorkerState:
     def fill(self, fills: list[tuple[int, int, int]]) -> None:
         import torch
 
+        by_tag: dict[int, list[tuple[int, int]]] = {}
         for block, tag, ordinal in fills:
+            by_tag.setdefault(tag, []).append((block, ordinal))
+        for tag, pairs in by_tag.items():
             for layer, name in enumerate(self.g["layers"]):
-                view = self.inner.caches[name][block].view(torch.uint8).reshape(-1)
-                view.copy_(pattern(tag, ordinal, layer, view.numel(), view.device))
+                cache = self._bytes(name)
+                blocks = torch.tensor([b for b, _ in pairs], device=cache.device)
+                ordinals = torch.tensor([o for _, o in pairs], device=cache.device)
+                cache[blocks] = patterns(tag, ordinals, layer, cache.shape[1], cache.device)
         if fills and self.g["device"] == "cuda":
             torch.cuda.synchronize()  # the WRITE reads VRAM outside torch's streams
 
     def verify(self, legs: list[tuple[list[int], int]]) -> bool:
+        """Every block of every leg holds its pattern (one comparison per leg and layer)."""
         import torch
 
         for blocks, tag in legs:
-            for ordinal, block in enumerate(blocks):
-                for layer, name in enumerate(self.g["layers"]):
-                    view = self.inner.caches[name][block].view(torch.uint8).reshape(-1)
-                    want = pattern(tag, ordinal, layer, view.numel(), view.device)
-                    if not torch.equal(view, want):
-                        return False
+            for layer, name in enumerate(self.g["layers"]):
+                cache = self._bytes(name)
+                index = torch.tensor(blocks, device=cache.device)
+                ordinals = torch.arange(len(blocks), device=cache.device)
+                want = patterns(tag, ordinals, layer, cache.shape[1], cache.device)
+                if not torch.equal(cache[index], want):
+                    return False
         return True
+
+    def _bytes(self, name: str) -> Any:
+        """Layer `name`'s KV as one row of bytes per block (a view)."""
+        import torch
+
+        cache = self.inner.caches[name]
+        return cache.view(torch.uint8).reshape(cache.shape[0], -1)
 
     def state(self) -> Any:
         return self.inner.state()
+
+    def paths(self) -> dict[str, Any]:
+        """How kvhandoff's rank WROTE (CUDA IPC or NIXL, and why IPC was refused); {} for
+        vLLM's connector."""
+        assembly = getattr(self.inner.connector, "assembly", None)
+        ipc = None if assembly is None else assembly.ipc
+        if ipc is None:
+            return {} if assembly is None else {"transport": "nixl"}
+        stats = ipc.stats
+        return {
+            "transport": "cuda_ipc wrapper",
+            "ipc_writes": stats.ipc_writes,
+            "nixl_writes": stats.nixl_writes,
+            "kernel": stats.kernel,
+            "refused": dict(stats.refused_peers),
+        }
 
     def close(self) -> None:
         self.inner.close()
@@ -157,7 +192,12 @@ def run_connector(name: str, model_dir: Path, opts: argparse.Namespace) -> dict[
     # Never a block reused in a run: D allocates a block more per request than the prompt
     # fills (its first decode token), and a finished request's blocks go back to the pool.
     num_blocks = opts.requests * (blocks_per_request + 2) + 16
-    kw = {"num_blocks": num_blocks, "connector": CONNECTORS[name], "worker": BenchWorker}
+    kw = {
+        "num_blocks": num_blocks,
+        "connector": CONNECTORS[name],
+        "worker": BenchWorker,
+        "extra": EXTRA.get(name),
+    }
     run = uuid.uuid4().hex[:6]
     p = VllmPushEngine(model_dir, "prefill", f"{name}-p-{run}", **kw)  # type: ignore[arg-type]
     try:
@@ -216,6 +256,7 @@ def _measure(name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int) -> d
     legs = list(d_legs.values())
     assert all(len(leg.blocks) == bpr for leg in legs), [len(leg.blocks) for leg in legs]
     all_d_blocks = [b for leg in legs for b in leg.blocks]
+    paths = p.worker.call("paths")
     latencies = [(received_at[d_ids[p_id]] - finished_at[p_id]) * 1e3 for p_id in p_legs]
     span = max(received_at.values()) - min(finished_at.values())
     block_bytes = len(BenchWorker.geometry["layers"]) * BenchWorker.geometry["block_bytes"]
@@ -229,6 +270,7 @@ def _measure(name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int) -> d
         "d_blocks_reused": len(all_d_blocks) - len(set(all_d_blocks)),
         "all_blocks_free": bool(p.all_blocks_free() and d.all_blocks_free()),
         "errors": p.errors + d.errors,
+        **({"p_writes": paths} if paths else {}),
     }
 
 
@@ -288,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--head-dim", type=int, default=None)
     parser.add_argument("--raw-mib", type=int, default=None)
-    parser.add_argument("--connectors", default="kvhandoff,vllm")
+    parser.add_argument("--connectors", default="kvhandoff,vllm,kvhandoff_nixl")
     parser.add_argument("--timeout", type=float, default=300.0)
     opts = parser.parse_args(argv)
     tiny = opts.tiny
@@ -340,11 +382,15 @@ def main(argv: list[str] | None = None) -> int:
         result["vllm_over_kvhandoff_p50"] = round(vl["p50_ms"] / kvh["p50_ms"], 3)
     if kvh:
         result["kvhandoff_over_raw_gbps"] = round(kvh["gbps"] / raw["gbps"], 3)
+    if result.get("kvhandoff_nixl") and vl:
+        result["kvhandoff_nixl_over_vllm_gbps"] = round(
+            result["kvhandoff_nixl"]["gbps"] / vl["gbps"], 3
+        )
     if vl:
         result["vllm_over_raw_gbps"] = round(vl["gbps"] / raw["gbps"], 3)
     ok = all(
         r["verified"] and r.get("all_blocks_free", True) and not r.get("errors")
-        for r in (result.get("kvhandoff"), result.get("vllm"), raw)
+        for r in (result.get("kvhandoff"), result.get("vllm"), result.get("kvhandoff_nixl"), raw)
         if r
     )
     result["ok"] = ok

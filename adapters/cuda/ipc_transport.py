@@ -4,7 +4,8 @@
 except:
 
 - D (``export=True``): after `connect` it sends its `IpcExport` (one IPC handle
-  per KV allocation) to every rank of the peer as one notif.
+  per KV allocation) to every rank of the peer as one notif, when the peer advertises
+  ``cuda_ipc`` (a stock vLLM P never receives one); `advertise` adds it to this rank's.
 - P: `get_new_notifs` takes exports out of the notif stream (the push machines never see
   them) and keeps the latest per sender agent. The first `write_blocks` to that D rank
   creates its `push.ipc_peer` instance (on this transport's own bus) and opens the
@@ -64,7 +65,7 @@ from kvhandoff.machines.push.ipc_peer import (
 )
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
-from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
+from kvhandoff.protocol.handshake import EXT_CUDA_IPC, EngineHandshake, HandshakePayload
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class IpcPushTransport:
         return self.inner.handshake_payload()
 
     def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
-        self.inner.advertise(extensions, auth_key_id)
+        self.inner.advertise((*extensions, EXT_CUDA_IPC), auth_key_id)
 
     def fetch_handshake(
         self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
@@ -186,7 +187,7 @@ class IpcPushTransport:
 
     def connect(self, engine: EngineHandshake, routes: Routes) -> EngineInfo:
         info = self.inner.connect(engine, routes)
-        if self._export is not None:
+        if self._export is not None and EXT_CUDA_IPC in info.extensions:
             for rank in range(len(info.ranks)):
                 try:
                     self.inner.send_notif(info.engine_id, rank, self._export)

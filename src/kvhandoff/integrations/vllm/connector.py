@@ -301,6 +301,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank=_tp_rank(self._vllm_config),
             mode=self.mode,
             mem="VRAM" if first.is_cuda else "DRAM",
+            device=(first.device.index or 0) if first.is_cuda else 0,
             clock=self.clock,
         )
         self.rank = self.assembly.rank

@@ -29,6 +29,8 @@ from kvhandoff.protocol.vllm_compat import VllmCompatFactors
 if TYPE_CHECKING:
     import torch
 
+    from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport
+
 __all__ = ["RankAssembly", "build_rank", "kv_regions", "serve_handshakes"]
 
 
@@ -57,13 +59,15 @@ def kv_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[L
 
 @dataclass
 class RankAssembly:
-    """One worker rank over NIXL and what it started; `close` stops it all."""
+    """One worker rank over NIXL and what it started; `close` stops it all. `ipc` is the
+    CUDA IPC wrapper the rank writes through when its KV is in VRAM (None: NIXL only)."""
 
     rank: PushRank
     agent: NixlAgent
     transport: NixlPushTransport
     writer: PushWriterThread
     executor: HandshakeExecutor
+    ipc: IpcPushTransport | None = None
 
     def handshake_payload(self) -> bytes:
         return encode_handshake(self.transport.handshake_payload())
@@ -71,6 +75,8 @@ class RankAssembly:
     def close(self) -> None:
         self.writer.stop()
         self.executor.shutdown()
+        if self.ipc is not None:
+            self.ipc.close()
         self.agent.close()
 
 
@@ -83,11 +89,15 @@ def build_rank(
     *,
     tp_rank: int = 0,
     mem: str = "DRAM",
+    device: int = 0,
     clock: Clock = real_clock,
     mode: Mode = "push",
 ) -> RankAssembly:
     """A `PushRank` over a NIXL agent of its own whose regions are the rank's KV tensors,
-    its writer thread and handshake executor started."""
+    its writer thread and handshake executor started. With VRAM regions in push mode and
+    `config.cuda_ipc`, the rank's transport is the CUDA IPC wrapper (GPU `device`): WRITEs
+    to a kvhandoff D on the same host are one gather-scatter kernel per pass, NIXL the
+    fallback for any other peer."""
     agent = NixlAgent(f"{engine_id}-r{tp_rank}-{secrets.token_hex(4)}", config.nixl_backend)
     try:
         transport = NixlPushTransport(
@@ -99,12 +109,18 @@ def build_rank(
             tp_rank=tp_rank,
             is_decoder=role == "decode",
             mem=mem,
+            device_id=device,
         )
+        ipc = None
+        if mem == "VRAM" and mode == "push" and config.cuda_ipc:
+            from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport
+
+            ipc = IpcPushTransport(transport, device=device, export=role == "decode")
         executor = HandshakeExecutor()
         rank = PushRank(
             role,
             engine_id,
-            transport,
+            transport if ipc is None else ipc,
             executor.submit,
             config=config,
             clock=clock,
@@ -115,7 +131,7 @@ def build_rank(
         agent.close()
         raise
     writer = PushWriterThread(rank).start()
-    return RankAssembly(rank, agent, transport, writer, executor)
+    return RankAssembly(rank, agent, transport, writer, executor, ipc)
 
 
 def serve_handshakes(
