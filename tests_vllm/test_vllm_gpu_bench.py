@@ -31,10 +31,12 @@ def test_C_05_gpu_bench_cpu_mode_verifies_bytes_and_frees_every_block() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["device"] == "cpu"
-    for name in ("kvhandoff", "vllm"):
+    for name in ("kvhandoff", "vllm", "kvhandoff_nixl"):
         side = result[name]
         assert side["verified"] and side["all_blocks_free"] and not side["errors"], side
         assert side["bytes"] == result["requests"] * 4 * 3 * 8192  # 4 blocks, 3 layers
         assert side["p99_ms"] >= side["p50_ms"] > 0
-    assert result["raw_write"]["verified"]
+    # DRAM KV: the connector's rank never wraps NIXL in the CUDA IPC transport (B-12).
+    assert result["kvhandoff"]["p_writes"] == {"transport": "nixl"}
+    assert result["raw_write"]["verified"] and result["raw_write"]["between"] == "two processes"
     assert result["kvhandoff_over_vllm_gbps"] > 0

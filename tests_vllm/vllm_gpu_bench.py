@@ -191,7 +191,7 @@ def run_connector(name: str, model_dir: Path, opts: argparse.Namespace) -> dict[
     blocks_per_request = -(-opts.prompt // vllm_harness.BLOCK_SIZE)
     # Never a block reused in a run: D allocates a block more per request than the prompt
     # fills (its first decode token), and a finished request's blocks go back to the pool.
-    num_blocks = opts.requests * (blocks_per_request + 2) + 16
+    num_blocks = (opts.requests + opts.warmup) * (blocks_per_request + 2) + 16
     kw = {
         "num_blocks": num_blocks,
         "connector": CONNECTORS[name],
@@ -206,24 +206,48 @@ def run_connector(name: str, model_dir: Path, opts: argparse.Namespace) -> dict[
         p.close()
         raise
     try:
+        if opts.warmup:  # handshakes, IPC mappings, kernel builds: once per engine pair
+            _measure(
+                name,
+                p,
+                d,
+                argparse.Namespace(**{**vars(opts), "requests": opts.warmup}),
+                blocks_per_request,
+                warmup=True,
+            )
         return _measure(name, p, d, opts, blocks_per_request)
     finally:
         d.close()
         p.close()
 
 
-def _measure(name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int) -> dict[str, Any]:
-    finished_at: dict[str, float] = {}
-    connector = p.scheduler.connector
+_FINISHED_AT: dict[str, float] = {}
+"""When P's scheduler called `request_finished` for each request (every pass adds its own)."""
+
+
+def _time_request_finished(connector: Any) -> None:
+    """Stamp `_FINISHED_AT` from P's connector hooks (wrapped once per connector)."""
+    if getattr(connector, "_bench_timed", False):
+        return
     for hook in ("request_finished", "request_finished_all_groups"):
         original = getattr(connector, hook)
 
         def timed(request: Any, *a: Any, _original: Any = original) -> Any:
-            finished_at.setdefault(request.request_id, time.perf_counter())
+            _FINISHED_AT.setdefault(request.request_id, time.perf_counter())
             return _original(request, *a)
 
         setattr(connector, hook, timed)
-    pairs = [(f"cmpl-{name}-{i}-{uuid.uuid4().hex[:8]}", 1000 + i) for i in range(opts.requests)]
+    connector._bench_timed = True
+
+
+def _measure(
+    name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int, *, warmup: bool = False
+) -> dict[str, Any]:
+    """One pass of `opts.requests` requests (a warm-up pass uses other tags)."""
+    _time_request_finished(p.scheduler.connector)
+    finished_at = _FINISHED_AT
+    base = 5000 if warmup else 1000
+    pairs = [(f"cmpl-{name}-{i}-{uuid.uuid4().hex[:8]}", base + i) for i in range(opts.requests)]
     d_ids = {p_id: f"{p_id.rsplit('-', 1)[0]}-{uuid.uuid4().hex[:8]}" for p_id, _ in pairs}
     p_legs = {p_id: p.add_prefill(p_id, tag, opts.prompt) for p_id, tag in pairs}
     d_legs: dict[str, Leg] = {}
@@ -258,7 +282,7 @@ def _measure(name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int) -> d
     all_d_blocks = [b for leg in legs for b in leg.blocks]
     paths = p.worker.call("paths")
     latencies = [(received_at[d_ids[p_id]] - finished_at[p_id]) * 1e3 for p_id in p_legs]
-    span = max(received_at.values()) - min(finished_at.values())
+    span = max(received_at.values()) - min(finished_at[p_id] for p_id in p_legs)
     block_bytes = len(BenchWorker.geometry["layers"]) * BenchWorker.geometry["block_bytes"]
     total = opts.requests * bpr * block_bytes
     return {
@@ -282,26 +306,63 @@ def _quantile(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- raw WRITE
 
 
+def _raw_bytes(nbytes: int, device: str) -> Any:
+    import torch
+
+    words = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+    return (words * 2654435761 % (1 << 61)).view(torch.uint8)
+
+
+def _raw_target_main(conn: Any, nbytes: int, device: str) -> None:
+    """The raw WRITE's destination, in a process of its own (as D's worker is): an agent
+    over one zeroed buffer; answers "check" with whether the buffer holds the pattern."""
+    import torch
+
+    from kvhandoff.adapters.nixl.agent import NixlAgent
+
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    agent = NixlAgent(f"raw-d-{uuid.uuid4().hex[:6]}", "UCX")
+    try:
+        agent.register_tensor(dst)
+        conn.send((agent.metadata(), int(dst.data_ptr())))
+        while conn.recv() == "check":
+            landed = bool(torch.equal(dst, _raw_bytes(nbytes, device)))
+            dst.zero_()  # before answering: the next WRITE follows the answer
+            if device == "cuda":
+                torch.cuda.synchronize()
+            conn.send(landed)
+    finally:
+        agent.close()
+
+
 def raw_write(mib: int, device: str, reps: int = 3) -> dict[str, Any]:
-    """One NIXL WRITE of `mib` MiB between two agents of this process (UCX), after one
-    warm-up: the best of `reps`, bytes checked."""
+    """One NIXL WRITE of `mib` MiB (UCX) from this process into a buffer of another one,
+    as the connectors' WRITEs go from P's worker to D's: the best of `reps` after one
+    warm-up, the bytes checked after each."""
+    import multiprocessing
+
     import torch
 
     from kvhandoff.adapters.nixl.agent import NixlAgent
 
     nbytes = mib << 20
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    src = _raw_bytes(nbytes, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
     mem = "VRAM" if device == "cuda" else "DRAM"
-    tag = uuid.uuid4().hex[:6]
-    a, b = NixlAgent(f"raw-p-{tag}", "UCX"), NixlAgent(f"raw-d-{tag}", "UCX")
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    target = context.Process(target=_raw_target_main, args=(child, nbytes, device), daemon=True)
+    target.start()
+    child.close()
+    a = NixlAgent(f"raw-p-{uuid.uuid4().hex[:6]}", "UCX")
     try:
+        metadata, dst_ptr = conn.recv()
         a.register_tensor(src)
-        b.register_tensor(dst)
-        peer = a.add_remote(b.metadata())
+        peer = a.add_remote(metadata)
         local = a.prep_local_blocks([(src.data_ptr(), nbytes, 1)], mem)  # type: ignore[arg-type]
-        remote = a.prep_remote_blocks(peer, [(dst.data_ptr(), nbytes, 1)], mem)  # type: ignore[arg-type]
-        times = []
+        remote = a.prep_remote_blocks(peer, [(dst_ptr, nbytes, 1)], mem)  # type: ignore[arg-type]
+        times, ok = [], True
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             handle = a.write(local, [0], remote, [0], b"raw")
@@ -310,11 +371,20 @@ def raw_write(mib: int, device: str, reps: int = 3) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             a.release(handle)
             assert state == "DONE", state
-        ok = bool(torch.equal(src, dst))
+            conn.send("check")
+            ok = ok and bool(conn.recv())
+        conn.send("stop")
     finally:
         a.close()
-        b.close()
-    return {"gbps": round(nbytes / min(times[1:]) / 1e9, 3), "bytes": nbytes, "verified": ok}
+        target.join(timeout=30)
+        if target.is_alive():
+            target.kill()
+    return {
+        "gbps": round(nbytes / min(times[1:]) / 1e9, 3),
+        "bytes": nbytes,
+        "verified": ok,
+        "between": "two processes",
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -330,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--head-dim", type=int, default=None)
     parser.add_argument("--raw-mib", type=int, default=None)
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="requests pushed first, not measured (per pair)"
+    )
     parser.add_argument("--connectors", default="kvhandoff,vllm,kvhandoff_nixl")
     parser.add_argument("--timeout", type=float, default=300.0)
     opts = parser.parse_args(argv)
