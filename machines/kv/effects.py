@@ -54,10 +54,12 @@ class ReportReleased(Effect):
 
 
 @dataclass(frozen=True, slots=True)
-class TimeTransfer(Effect):
-    """A scheduler-side request every rank is done with, moved: when it began (`since`,
-    the `now` the scheduler created it at: P's prefill end, D's block allocation) and how
-    many blocks it moved; the scheduler times it at the step it ends (B-14)."""
+class ReportTransferred(Effect):
+    """Scheduler: every rank is done with the request and its KV moved, so the engine hears
+    of it (`finished_sending` on P, `finished_recving` on D), timed from `since` (the `now`
+    the scheduler created it at: P's prefill end, D's block allocation) to the step it
+    ends, with the blocks it moved (B-14). One effect per request: the report and its
+    timing are one fact."""
 
     request_id: str
     since: float

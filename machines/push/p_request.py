@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvhandoff.machines.kv.effects import ReportFinishedSending, TimeTransfer
+from kvhandoff.machines.kv.effects import ReportTransferred
 from kvhandoff.machines.kv.events import Drained, RankSent
 from kvhandoff.machines.runtime.declaration import Declaration
 from kvhandoff.machines.runtime.effects import Effect, Metric
@@ -36,7 +36,8 @@ def repeated(ctx: PRequestCtx, event: RankSent) -> bool:
 
 
 def last(ctx: PRequestCtx, event: RankSent) -> bool:
-    return len(ctx.reported | {event.rank}) >= ctx.ranks
+    """The last rank to report (a repeated report is told apart first)."""
+    return len(ctx.reported) + 1 >= ctx.ranks
 
 
 def record(ctx: PRequestCtx, event: RankSent) -> None:
@@ -49,11 +50,7 @@ def count_repeat(ctx: PRequestCtx, event: RankSent) -> list[Effect]:
 
 def free(ctx: PRequestCtx, event: RankSent) -> list[Effect]:
     ctx.reported.add(event.rank)
-    return [
-        ReportFinishedSending(ctx.key),
-        TimeTransfer(ctx.key, ctx.since, len(ctx.block_ids)),
-        Metric("push.p.freed"),
-    ]
+    return [ReportTransferred(ctx.key, ctx.since, len(ctx.block_ids))]
 
 
 P_REQUEST: Declaration[PRequestCtx] = Declaration(
@@ -70,17 +67,17 @@ P_REQUEST: Declaration[PRequestCtx] = Declaration(
         {
             "trigger": RankSent,
             "source": "leased",
-            "dest": None,
-            "conditions": "repeated",
-            "after": "count_repeat",
-        },
-        {
-            "trigger": RankSent,
-            "source": "leased",
             "dest": "sent",
             "conditions": "last",
             "unless": "repeated",
             "after": "free",
+        },
+        {
+            "trigger": RankSent,
+            "source": "leased",
+            "dest": None,
+            "conditions": "repeated",
+            "after": "count_repeat",
         },
         {"trigger": RankSent, "source": "leased", "dest": None, "after": "record"},
     ],

@@ -33,10 +33,8 @@ from typing import Any, Literal
 
 from kvhandoff.machines.kv.effects import (
     ReportFailedRecving,
-    ReportFinishedRecving,
-    ReportFinishedSending,
     ReportReleased,
-    TimeTransfer,
+    ReportTransferred,
     Warn,
 )
 from kvhandoff.machines.kv.events import (
@@ -145,11 +143,9 @@ class PushScheduler:
             engine.engine_id, engine.host, engine.port, self.config.tp_size, self.config.pp_size
         )
         bus_ = self.bus
-        bus_.handle(ReportFinishedRecving, self._on_finished_recving)
         bus_.handle(ReportFailedRecving, self._on_failed_recving)
-        bus_.handle(ReportFinishedSending, self._on_finished_sending)
         bus_.handle(ReportReleased, self._on_released)
-        bus_.handle(TimeTransfer, self._on_timed)
+        bus_.handle(ReportTransferred, self._on_transferred)
         bus_.handle(Warn, lambda _inst, warn: log.warning("%s: %s", warn.request_id, warn.message))
 
     # -- D side ----------------------------------------------------------------------
@@ -373,16 +369,16 @@ class PushScheduler:
         for tag in tags:
             kind.check_tag(tag)
         wanted = frozenset(tags)
-        bus = self.bus
+        live = self.bus.machine(kind).index
         keys = []
         for request_id in request_ids:
-            inst = bus.get(kind, request_id)
+            inst = live.get(request_id)
             if inst is not None and not wanted.isdisjoint(inst.node.tags):
                 keys.append(request_id)
             else:
                 self.stale_reports += 1  # ended meanwhile, or never this rank's to report
         if keys:
-            bus.dispatch_many(kind, keys, event, now)
+            self.bus.dispatch_many(kind, keys, event, now)
 
     def has_pending_push_work(self) -> bool:
         """True while any push state is in flight on this side (R-P13); a request the
@@ -397,25 +393,26 @@ class PushScheduler:
 
     # -- reports to the engine -----------------------------------------------------------
 
-    def _on_finished_recving(self, _inst: Instance[object], effect: ReportFinishedRecving) -> None:
-        self._output.finished_recving.add(effect.request_id)
-
     def _on_failed_recving(self, _inst: Instance[object], effect: ReportFailedRecving) -> None:
         self._output.failed_recving[effect.request_id] = effect.reason
         self._output.invalid_block_ids.update(effect.block_ids)
-
-    def _on_finished_sending(self, _inst: Instance[object], effect: ReportFinishedSending) -> None:
-        self._output.finished_sending.add(effect.request_id)
 
     def _on_released(self, _inst: Instance[object], effect: ReportReleased) -> None:
         self._output.released[effect.request_id] = effect.reason
         if effect.failed:
             self._output.failed_released.add(effect.request_id)
 
-    def _on_timed(self, _inst: Instance[object], effect: TimeTransfer) -> None:
-        """At the bus's time: the `now` of the call whose rank reports ended the request."""
-        seconds = max(0.0, self.bus.now - effect.since)
-        self._output.timings[effect.request_id] = Timing(seconds, effect.num_blocks)
+    def _on_transferred(self, _inst: Instance[object], effect: ReportTransferred) -> None:
+        """Reported to the engine (`finished_sending` on P, `finished_recving` on D) and
+        timed at the bus's time: the `now` of the call whose rank reports ended it."""
+        request_id = effect.request_id
+        output = self._output
+        (output.finished_sending if self.role == "prefill" else output.finished_recving).add(
+            request_id
+        )
+        output.timings[request_id] = Timing(
+            max(0.0, self.bus.now - effect.since), effect.num_blocks
+        )
 
     def _require(self, role: Role, call: str) -> None:
         if self.role != role:

@@ -55,7 +55,10 @@ def merge(into: StatsData, other: Mapping[str, Any]) -> StatsData:
     for name, value in other.items():
         mine = into.get(name)
         if isinstance(value, list | tuple):
-            into[name] = [*(mine if isinstance(mine, list) else ()), *value]
+            if isinstance(mine, list):
+                mine.extend(value)  # `into`'s lists are its own: made here, below
+            else:
+                into[name] = list(value)
         elif isinstance(value, Mapping):
             counts = dict(mine) if isinstance(mine, Mapping) else {}
             for label, count in value.items():
@@ -159,20 +162,22 @@ def transfers(result: PushConnectorOutput, block_bytes: int) -> StatsData:
     }
     if any(outcomes.values()):
         out["transfers"] = {name: n for name, n in outcomes.items() if n}
+    timings = result.timings
+    sizes: list[int] = []
     for histogram, ids in (
         ("finish_to_receive_s", result.finished_sending),
         ("receive_wait_s", result.finished_recving),
     ):
+        seconds: list[float] = []
         for request_id in sorted(ids):
-            timing = result.timings.get(request_id)
+            timing = timings.get(request_id)
             if timing is not None:
-                merge(
-                    out,
-                    {
-                        histogram: [timing.seconds],
-                        "bytes_transferred": [timing.num_blocks * block_bytes],
-                    },
-                )
+                seconds.append(timing.seconds)
+                sizes.append(timing.num_blocks * block_bytes)
+        if seconds:
+            out[histogram] = seconds
+    if sizes:
+        out["bytes_transferred"] = sizes
     return out
 
 
