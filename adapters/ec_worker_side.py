@@ -60,14 +60,19 @@ class ECWorkerSide:
         env: Mapping[str, str] | None = None,
         clock: Clock = real_clock,
         copy_engine_factory: CopyEngineFactory | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """`region_name`: the region the scheduler side created (`ECSide.region.name`)."""
+        """`region_name`: the region the scheduler side created (`ECSide.region.name`).
+        `device`: where the engine's encoder cache lives; on CUDA (and with no factory
+        given) the copies run on `CudaCopyEngine`'s pooled streams (R-E05) and loads are
+        allocated on that device."""
         if dtype.itemsize != layout.dtype_size:
             raise LocalProtocolError(
                 f"dtype {dtype} has {dtype.itemsize} bytes; the layout says {layout.dtype_size}"
             )
         self.layout = layout
         self.dtype = dtype
+        self.device = torch.device(device)
         self.clock = clock
         self.worker = ECWorker(config, layout, tp_rank=tp_rank, pcp_rank=pcp_rank, env=env)
         self.region: SharedRegion | None = SharedRegion.attach(
@@ -77,7 +82,7 @@ class ECWorkerSide:
         self._cache: MutableMapping[str, torch.Tensor] = {}  # the engine's encoder cache
         self._closed = False
         try:
-            factory = copy_engine_factory or CpuCopyEngine
+            factory = copy_engine_factory or _engine_for(self.device)
             self.copy_engine = factory(self.region.as_tensor(), layout.block_size_bytes)
             self.worker.bus.handle(CopyBlocks, self._copy)
             self.worker.bus.handle(CloseRegion, self._close_region)
@@ -110,7 +115,7 @@ class ECWorkerSide:
         for item in self.worker.planned_loads:
             if item.mm_hash not in encoder_cache:
                 encoder_cache[item.mm_hash] = torch.empty(
-                    (item.num_tokens, hidden), dtype=self.dtype
+                    (item.num_tokens, hidden), dtype=self.dtype, device=self.device
                 )
         self._cache = encoder_cache
         self.worker.start_load_caches(now)
@@ -176,3 +181,16 @@ class ECWorkerSide:
             region.close()
         except LocalProtocolError as exc:  # a view is still alive: unmapped when it goes
             log.warning("%s", exc)
+
+
+def _engine_for(device: torch.device) -> CopyEngineFactory:
+    """The copy engine of an encoder cache on `device`: CUDA's (imported only then) or
+    the CPU one."""
+    if device.type != "cuda":
+        return CpuCopyEngine
+    from kvhandoff.adapters.cuda.ec_copy import CudaCopyEngine
+
+    def cuda_engine(region: torch.Tensor, block_size_bytes: int) -> CopyEngine:
+        return CudaCopyEngine(region, block_size_bytes, device=device)
+
+    return cuda_engine

@@ -8,6 +8,7 @@
 #   .venv-vllm/bin/python tools/pack_vllm_py.py --nixl-wheel .whl/nixl_cu13-1.5.1-*.whl
 # and carried (carry: [".carry"]):
 #   bash bench/vllm_gpu.sh [--requests N --prompt TOKENS --layers L --heads H --head-dim D]
+#   bash bench/vllm_gpu.sh ec [--encodings N]   (the encoder-cache connector, CUDA cache)
 # Here, on CPU, with the vLLM tier's environment (no unpacking, DRAM tensors):
 #   bash bench/vllm_gpu.sh --device cpu --tiny
 set -euo pipefail
@@ -46,4 +47,8 @@ else
   "$PY" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" >&2
 fi
 cd "$ROOT/tests_vllm"
+if [ "${1:-}" = ec ]; then  # the encoder-cache connector on a CUDA encoder cache
+  shift
+  exec "$PY" vllm_gpu_ec.py "$@"
+fi
 exec "$PY" vllm_gpu_bench.py "$@"

@@ -51,7 +51,9 @@ def ec_config(role: str, engine_id: str, **extra: Any) -> Any:
     )
 
 
-def stub_vllm_config(role: str, model_name: str = "kvhandoff-test/tiny-mm") -> Any:
+def stub_vllm_config(
+    role: str, model_name: str = "kvhandoff-test/tiny-mm", device: str = "cpu"
+) -> Any:
     ec = ec_config(role, f"kvh-ec-{role}-{uuid.uuid4().hex[:8]}")
     ec.mm_encoder_output_widths = {"image": HIDDEN}
     model = SimpleNamespace(
@@ -63,7 +65,12 @@ def stub_vllm_config(role: str, model_name: str = "kvhandoff-test/tiny-mm") -> A
         prefill_context_parallel_size=1,
         rank=0,
     )
-    return SimpleNamespace(ec_transfer_config=ec, model_config=model, parallel_config=parallel)
+    return SimpleNamespace(
+        ec_transfer_config=ec,
+        model_config=model,
+        parallel_config=parallel,
+        device_config=SimpleNamespace(device=device),
+    )
 
 
 def request(req_id: str, mm_hash: str, params: Any = None) -> Any:
@@ -155,11 +162,13 @@ class Engine:
     """One engine's scheduler-role and worker-role connectors, built by vLLM's factory and
     stepped as vLLM's scheduler and model runner call them."""
 
-    def __init__(self, role: str, model_name: str = "kvhandoff-test/tiny-mm") -> None:
+    def __init__(
+        self, role: str, model_name: str = "kvhandoff-test/tiny-mm", device: str = "cpu"
+    ) -> None:
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
         from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-        config = stub_vllm_config(role, model_name)
+        config = stub_vllm_config(role, model_name, device)
         # vLLM builds the worker's connector first, before the scheduler makes the region.
         self.worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
         self.sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
@@ -230,11 +239,12 @@ def test_C_03_C_05_producer_saves_and_consumer_loads_through_vllms_calls(
     move_one_encoding(*engines)
 
 
-def move_one_encoding(producer: Engine, consumer: Engine) -> None:
+def move_one_encoding(producer: Engine, consumer: Engine, device: str = "cpu") -> None:
     """The producer saves and publishes one encoding, the consumer READs and loads it,
-    every byte checked; the producer's grant is released."""
+    every byte checked; the producer's grant is released. `device`: where both engines'
+    encoder caches live (`bench/vllm_gpu.sh ec` runs it on CUDA)."""
     mm_hash = f"img-{uuid.uuid4().hex[:8]}"
-    encoding = torch.randn(ROWS, HIDDEN, dtype=torch.float32)
+    encoding = torch.randn(ROWS, HIDDEN, dtype=torch.float32, device=device)
 
     # Producer: vLLM allocates the encoder-cache entry, the runner encodes and saves it.
     p_req = request("p-1", mm_hash)
@@ -263,7 +273,7 @@ def move_one_encoding(producer: Engine, consumer: Engine) -> None:
     consumer.cache.clear()
     until(lambda: (consumer.step(), mm_hash in consumer.cache and consumer.landed)[1], "load")
     loaded = consumer.cache[mm_hash]
-    assert loaded.shape == (ROWS, HIDDEN)
+    assert loaded.shape == (ROWS, HIDDEN) and loaded.device == encoding.device
     assert torch.equal(loaded.view(torch.uint8), encoding.view(torch.uint8))
     assert consumer.sched.request_finished(c_req) == (False, None)
     # A P2P producer keeps the engine stepping (as vLLM 0.33's): its requests come from

@@ -40,3 +40,22 @@ def test_C_05_gpu_bench_cpu_mode_verifies_bytes_and_frees_every_block() -> None:
     assert result["kvhandoff"]["p_writes"] == {"transport": "nixl"}
     assert result["raw_write"]["verified"] and result["raw_write"]["between"] == "two processes"
     assert result["kvhandoff_over_vllm_gbps"] > 0
+
+
+def test_R_E05_C_05_gpu_ec_script_cpu_mode_moves_and_checks_encodings() -> None:
+    """`bench/vllm_gpu.sh ec --device cpu`: the encoder-cache connector's save, P2P READ
+    and load through vLLM's calls, each encoding compared byte for byte (the script
+    raises on any difference), on the CPU copy engine here."""
+    env = dict(os.environ, PY=sys.executable)
+    run = subprocess.run(
+        ["bash", str(ROOT / "bench" / "vllm_gpu.sh"), "ec", "--device", "cpu", "--encodings", "2"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["encodings"] == 2 and result["verified"]
+    assert result["copy_engines"] == ["CpuCopyEngine"]

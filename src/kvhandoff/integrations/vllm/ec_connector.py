@@ -99,6 +99,13 @@ def _dtype(vllm_config: Any) -> torch.dtype:
     return dtype
 
 
+def _device(vllm_config: Any) -> str:
+    """Where this worker's encoder cache lives: vLLM's `device_config.device` ("cuda" on a
+    CUDA platform: the copies then run on pooled CUDA streams, R-E05), CPU without one."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    return str(device) if device is not None and str(device).startswith("cuda") else "cpu"
+
+
 def ec_layout(vllm_config: Any, config: ECTransferConfig) -> ECLayout:
     """One block per encoder-output row: the widest measured encoder output
     (`mm_encoder_output_widths`, DeepStack rows included), else the embedding size."""
@@ -268,6 +275,7 @@ class KVHandoffECConnector(ECConnectorBase):
                 pcp_rank=pcp_rank,
                 dtype=self._dtype,
                 clock=self.clock,
+                device=_device(self._vllm_config),
             )
         return self.worker_side
 
