@@ -185,9 +185,11 @@ def status(proc: RoleProcess) -> dict[str, Any]:
     return next_event(proc, "status")
 
 
-def stop(proc: RoleProcess) -> dict[str, Any]:
+def stop(proc: RoleProcess, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Stop the role and take its summary: it settles first (grants, holds, reads), so
+    `timeout_s` must outlast what it still holds."""
     relay(proc, {"op": "stop"})
-    summary = next_event(proc, "summary", 60.0)
+    summary = next_event(proc, "summary", timeout_s)
     stop_all([proc])
     return summary
 

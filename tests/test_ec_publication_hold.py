@@ -28,7 +28,10 @@ pytestmark = pytest.mark.integration
 
 
 def test_R_E06_B01_a_published_encoding_outlives_pressure_until_it_is_read_over_nixl() -> None:
-    config = {**PRODUCER_TIMEOUTS, "producer_publish_pin_s": 60.0}
+    # The hold outlasts the body below; at `stop` the role settles, which waits out the
+    # unread `press-*` publications' holds, so the summary gets the pin and a margin.
+    pin_s = 30.0
+    config = {**PRODUCER_TIMEOUTS, "producer_publish_pin_s": pin_s}
     proc = start_child("producer", unique("producer"), "--listen", "127.0.0.1:0", config=config)
     try:
         with make_side("ec_consumer") as consumer:
@@ -50,4 +53,4 @@ def test_R_E06_B01_a_published_encoding_outlives_pressure_until_it_is_read_over_
             metrics = status(proc)["metrics"]
             assert metrics.get("ec.producer.publication_held", 0) >= 1
     finally:
-        stop(proc)
+        stop(proc, timeout_s=pin_s + 90.0)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,18 +19,23 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_C_05_gpu_bench_cpu_mode_verifies_bytes_and_frees_every_block() -> None:
-    env = dict(os.environ, PY=sys.executable)
+def gpu_script(*args: str, timeout: float) -> dict[str, Any]:
+    """`bench/vllm_gpu.sh ARGS` with this interpreter; its JSON line (it must exit 0)."""
     run = subprocess.run(
-        ["bash", str(ROOT / "bench" / "vllm_gpu.sh"), "--device", "cpu", "--tiny"],
+        ["bash", str(ROOT / "bench" / "vllm_gpu.sh"), *args],
         capture_output=True,
         text=True,
-        timeout=280,
-        env=env,
+        timeout=timeout,
+        env=dict(os.environ, PY=sys.executable),
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_C_05_gpu_bench_cpu_mode_verifies_bytes_and_frees_every_block() -> None:
+    result = gpu_script("--device", "cpu", "--tiny", timeout=280)
     assert result["ok"] and result["device"] == "cpu"
     for name in ("kvhandoff", "vllm", "kvhandoff_nixl"):
         side = result[name]
@@ -46,16 +52,6 @@ def test_R_E05_C_05_gpu_ec_script_cpu_mode_moves_and_checks_encodings() -> None:
     """`bench/vllm_gpu.sh ec --device cpu`: the encoder-cache connector's save, P2P READ
     and load through vLLM's calls, each encoding compared byte for byte (the script
     raises on any difference), on the CPU copy engine here."""
-    env = dict(os.environ, PY=sys.executable)
-    run = subprocess.run(
-        ["bash", str(ROOT / "bench" / "vllm_gpu.sh"), "ec", "--device", "cpu", "--encodings", "2"],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = gpu_script("ec", "--device", "cpu", "--encodings", "2", timeout=200)
     assert result["device"] == "cpu" and result["encodings"] == 2 and result["verified"]
     assert result["copy_engines"] == ["CpuCopyEngine"]
