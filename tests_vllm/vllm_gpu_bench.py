@@ -206,47 +206,43 @@ def run_connector(name: str, model_dir: Path, opts: argparse.Namespace) -> dict[
         p.close()
         raise
     try:
+        finished_at = _time_request_finished(p.scheduler.connector)
         if opts.warmup:  # handshakes, IPC mappings, kernel builds: once per engine pair
-            _measure(
-                name,
-                p,
-                d,
-                argparse.Namespace(**{**vars(opts), "requests": opts.warmup}),
-                blocks_per_request,
-                warmup=True,
-            )
-        return _measure(name, p, d, opts, blocks_per_request)
+            warmup = argparse.Namespace(**{**vars(opts), "requests": opts.warmup})
+            _measure(name, p, d, warmup, blocks_per_request, finished_at, base=5000)
+        return _measure(name, p, d, opts, blocks_per_request, finished_at)
     finally:
         d.close()
         p.close()
 
 
-_FINISHED_AT: dict[str, float] = {}
-"""When P's scheduler called `request_finished` for each request (every pass adds its own)."""
-
-
-def _time_request_finished(connector: Any) -> None:
-    """Stamp `_FINISHED_AT` from P's connector hooks (wrapped once per connector)."""
-    if getattr(connector, "_bench_timed", False):
-        return
+def _time_request_finished(connector: Any) -> dict[str, float]:
+    """When P's scheduler called `request_finished` for each request, stamped by wrapping
+    the connector's hooks (once per engine pair: every pass adds its own ids)."""
+    finished_at: dict[str, float] = {}
     for hook in ("request_finished", "request_finished_all_groups"):
         original = getattr(connector, hook)
 
         def timed(request: Any, *a: Any, _original: Any = original) -> Any:
-            _FINISHED_AT.setdefault(request.request_id, time.perf_counter())
+            finished_at.setdefault(request.request_id, time.perf_counter())
             return _original(request, *a)
 
         setattr(connector, hook, timed)
-    connector._bench_timed = True
+    return finished_at
 
 
 def _measure(
-    name: str, p: Any, d: Any, opts: argparse.Namespace, bpr: int, *, warmup: bool = False
+    name: str,
+    p: Any,
+    d: Any,
+    opts: argparse.Namespace,
+    bpr: int,
+    finished_at: dict[str, float],
+    *,
+    base: int = 1000,
 ) -> dict[str, Any]:
-    """One pass of `opts.requests` requests (a warm-up pass uses other tags)."""
-    _time_request_finished(p.scheduler.connector)
-    finished_at = _FINISHED_AT
-    base = 5000 if warmup else 1000
+    """One pass of `opts.requests` requests, tagged from `base` (a warm-up pass uses
+    other tags)."""
     pairs = [(f"cmpl-{name}-{i}-{uuid.uuid4().hex[:8]}", base + i) for i in range(opts.requests)]
     d_ids = {p_id: f"{p_id.rsplit('-', 1)[0]}-{uuid.uuid4().hex[:8]}" for p_id, _ in pairs}
     p_legs = {p_id: p.add_prefill(p_id, tag, opts.prompt) for p_id, tag in pairs}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 
@@ -30,12 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--encodings", type=int, default=8)
     opts = parser.parse_args(argv)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    from test_vllm_ec_connector import ROWS, Engine, free_port, move_one_encoding
+
     os.environ["VLLM_EC_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    os.environ["VLLM_EC_SIDE_CHANNEL_PORT"] = str(port)
-    from test_vllm_ec_connector import ROWS, Engine, move_one_encoding
+    os.environ["VLLM_EC_SIDE_CHANNEL_PORT"] = str(free_port())
 
     producer = Engine("ec_producer", device=opts.device)
     consumer = Engine("ec_consumer", device=opts.device)

@@ -55,10 +55,7 @@ def merge(into: StatsData, other: Mapping[str, Any]) -> StatsData:
     for name, value in other.items():
         mine = into.get(name)
         if isinstance(value, list | tuple):
-            if isinstance(mine, list):
-                mine.extend(value)  # `into`'s lists are its own: made here, below
-            else:
-                into[name] = list(value)
+            into[name] = [*(mine if isinstance(mine, list) else ()), *value]
         elif isinstance(value, Mapping):
             counts = dict(mine) if isinstance(mine, Mapping) else {}
             for label, count in value.items():
