@@ -227,8 +227,7 @@ class PushRank(RankWriterSide):
             outcome: Event = WriteError(failed, cause) if failed else WriteDone()
         else:
             outcome = ReadError() if failed else ReadDone()
-        # Run from the poll's own transition: the bus queues it behind that one.
-        self.bus.dispatch(self.worker.polled_kind, effect.request_id, outcome, self.bus.now)
+        self.worker.transfer_ended(effect.request_id, outcome)
 
     def _release_transfer(self, _inst: Instance[object] | None, effect: ReleaseTransfer) -> None:
         """The transfer timed out: free its handles (cancelling them) so none lands later."""

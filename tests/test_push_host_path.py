@@ -11,6 +11,8 @@ progress, and how often a peer's notifs keep its engine alive.
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from push_harness import D_ENGINE, P_ENGINE, writer
 
 from kvhandoff.adapters.push_side import PushSide
@@ -20,7 +22,8 @@ from kvhandoff.bench.probes.push_writer_pass import (
     MemoryTransport,
     connect_deferred,
 )
-from kvhandoff.machines.kv.effects import SendRegistration, StartHandshake
+from kvhandoff.machines.kv.effects import ReportToMain, SendRegistration, StartHandshake
+from kvhandoff.machines.kv.events import HandshakeStarted, Matched, WritePosted
 from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
 from kvhandoff.machines.rank.worker import REPORTS_BETWEEN, PushWorker
@@ -60,9 +63,11 @@ def test_B_12_the_transport_progresses_first_and_between_chunks_of_reports(
     p, d, tp, applied = _pair()
     on_reports = PushWorker._on_reports
 
-    def counting(self: PushWorker, run: list[object], now: float) -> None:
-        applied[0] += len(run)
-        on_reports(self, run, now)  # type: ignore[arg-type]
+    def counting(
+        self: PushWorker, event: object, peer: str | None, request_ids: list[str], now: float
+    ) -> None:
+        applied[0] += len(request_ids)
+        on_reports(self, event, peer, request_ids, now)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PushWorker, "_on_reports", counting)  # type: ignore[attr-defined]
     prefill = PrefillCoordinates("P", "127.0.0.1", 5600, 1)
@@ -128,3 +133,44 @@ def test_B_11_a_pass_of_many_notifs_keeps_their_engine_alive_once() -> None:
     w.advance(50.0)  # the writer pass ends
     assert touches == [P_ENGINE.engine_id]
     assert w.bus.deadline_of(REMOTE_ENGINE, P_ENGINE.engine_id) == 50.0 + ttl
+
+
+_EVENTS = (Matched("D", ("D-agent",)), WritePosted(1), WritePosted(2), HandshakeStarted())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 4), st.integers(0, len(_EVENTS) - 1), st.sampled_from([None, "a"])
+        ),
+        max_size=80,
+    )
+)
+def test_R_P08_reports_apply_in_batches_without_reordering_any_request(
+    reports: list[tuple[int, int, str | None]],
+) -> None:
+    """The writer's reports reach the main thread's machines as one batch per equal
+    (event, peer), yet every request meets its own reports in the order they were made."""
+    worker = PushWorker("prefill", "P", PushConfig(), now=0.0)
+    applied: list[tuple[object, str | None, list[str]]] = []
+    worker._on_reports = lambda event, peer, ids, now: applied.append((event, peer, ids))  # type: ignore[method-assign]
+    items = [ReportToMain(f"r{q}", _EVENTS[e], peer) for q, e, peer in reports]
+    worker.take_writer_items(items, 1.0)
+    for q in {q for q, _e, _p in reports}:
+        made = [(item.event, item.peer) for item in items if item.request_id == f"r{q}"]
+        seen = [(ev, peer) for ev, peer, ids in applied for key in ids if key == f"r{q}"]
+        assert seen == made
+    assert sum(len(ids) for _e, _p, ids in applied) == len(items)
+
+
+def test_R_P08_an_interleaved_pass_is_one_batch_per_event() -> None:
+    """matched, posted, matched, posted, ... for N requests is two batches, not 2N."""
+    worker = PushWorker("prefill", "P", PushConfig(), now=0.0)
+    applied: list[tuple[object, list[str]]] = []
+    worker._on_reports = lambda event, peer, ids, now: applied.append((event, list(ids)))  # type: ignore[method-assign]
+    matched, posted = Matched("D", ("D-agent",)), WritePosted(1)
+    ids = [f"r{q}" for q in range(REPORTS_BETWEEN // 2)]
+    items = [ReportToMain(i, ev) for i in ids for ev in (matched, posted)]
+    worker.take_writer_items(items, 1.0)
+    assert applied == [(matched, ids), (posted, ids)]

@@ -59,6 +59,7 @@ from kvhandoff.machines.push.scheduler import Mode, Role
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.compiled import Instance
 from kvhandoff.machines.runtime.declaration import Declaration
+from kvhandoff.machines.runtime.events import Event
 from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.member_routing import LocalRegion, MemberLayout, derive_member_major_layout
@@ -72,7 +73,7 @@ log = logging.getLogger("kvhandoff.push.worker")
 
 WriterItem = ForwardToMain | ReportToMain
 
-REPORTS_BETWEEN = 8
+REPORTS_BETWEEN = 32
 """Writer reports applied between two calls of `take_writer_items`'s `between`."""
 
 # Field-less events, shared by every instance of a batch (events are immutable).
@@ -115,6 +116,7 @@ class PushWorker:
         self.layout: MemberLayout | None = None
         self.rejections = RejectionLog(log, what="notif")
         self.step = 0
+        self._transfer_outcomes: dict[Event, list[str]] = {}
         self._output = self._fresh_output()
         bus_ = self.bus
         bus_.handle(ReportFinishedRecving, self._on_finished_recving)
@@ -217,6 +219,7 @@ class PushWorker:
         ]
         if due:
             bus.dispatch_many(kind, due, _POLL, now)
+            self._apply_transfer_outcomes(kind, now)
         bus.execute(WakeWriter())
         output = self._output
         output.step = self.step
@@ -228,6 +231,17 @@ class PushWorker:
             output.invalid_block_ids = tuple(self._invalid)
         self._output = self._fresh_output()
         return output
+
+    def transfer_ended(self, request_id: str, outcome: Event) -> None:
+        """The executor of a poll (`PollTransfer`) found the request's transfers ended:
+        `outcome` (done, or failed) reaches its machine right after the step's polls, in
+        one batch per outcome."""
+        self._transfer_outcomes.setdefault(outcome, []).append(request_id)
+
+    def _apply_transfer_outcomes(self, kind: Declaration[Any], now: float) -> None:
+        outcomes, self._transfer_outcomes = self._transfer_outcomes, {}
+        for outcome, request_ids in outcomes.items():
+            self.bus.dispatch_many(kind, request_ids, outcome, now)
 
     def _fresh_output(self) -> PushWorkerOutput:
         # Appended to during the step, made tuples by `get_finished` (not tuple + tuple).
@@ -255,24 +269,21 @@ class PushWorker:
         runs after every `REPORTS_BETWEEN` reports: a long batch of reports does not hold
         back transfers the transport completes itself."""
         notifs: list[ForwardToMain] = []
-        run: list[ReportToMain] = []  # equal events in a row: one batch
+        batches = _ReportBatches()
         taken = 0
         for item in items:
             if isinstance(item, ForwardToMain):
                 notifs.append(item)
                 continue
-            if run and (item.event != run[0].event or item.peer != run[0].peer):
-                self._on_reports(run, now)
-                run = []
-            run.append(item)
+            if not batches.add(item):
+                self._apply_batches(batches, now)
+                batches.add(item)
             taken += 1
             if taken % REPORTS_BETWEEN == 0:
-                self._on_reports(run, now)
-                run = []
+                self._apply_batches(batches, now)
                 if between is not None:
                     between()
-        if run:
-            self._on_reports(run, now)
+        self._apply_batches(batches, now)
         if not notifs:
             return
         bus = self.bus
@@ -290,18 +301,23 @@ class PushWorker:
         self.rejections.reject(peer, exc, now)
         self._on_failure(None, CountFailure("rejected"))
 
-    def _on_reports(self, run: list[ReportToMain], now: float) -> None:
-        """One writer event for a run of requests, as one batch (equal events, one peer);
-        a request that ended meanwhile (reaped, released, dropped) has nothing left to be
+    def _apply_batches(self, batches: _ReportBatches, now: float) -> None:
+        for (event, peer), request_ids in batches.take():
+            self._on_reports(event, peer, request_ids, now)
+
+    def _on_reports(
+        self, event: Event, peer: str | None, request_ids: list[str], now: float
+    ) -> None:
+        """One writer event for many requests, as one batch (equal events, one peer); a
+        request that ended meanwhile (reaped, released, dropped) has nothing left to be
         told, and a peer event (`Matched`) that a state refuses is the peer's rejection."""
         kind = self.p_kind if self.role == "prefill" else self.d_kind
         bus = self.bus
-        live = [item.request_id for item in run if bus.get(kind, item.request_id) is not None]
+        live = [key for key in request_ids if bus.get(kind, key) is not None]
         if live:
-            first = run[0]
-            for _key, exc in bus.dispatch_many(kind, live, first.event, bus.now):
+            for _key, exc in bus.dispatch_many(kind, live, event, bus.now):
                 if isinstance(exc, RemoteProtocolError):
-                    self.reject(first.peer, exc, now)
+                    self.reject(peer, exc, now)
 
     def _on_notif(self, item: ForwardToMain, now: float) -> None:
         notif, peer = item.notif, item.peer
@@ -378,3 +394,38 @@ def _base_id(key: Hashable) -> Hashable:
 def _for_rank(registration: PushRegistration, tp_rank: int) -> PushRegistration:
     """The scheduler's registration as this rank sends it."""
     return msgspec.structs.replace(registration, decode_tp_rank=tp_rank)
+
+
+class _ReportBatches:
+    """The writer's reports grouped into one batch per (event, peer), in the order the
+    batches were opened, without reordering any request's own reports: a report joins its
+    event's batch only if no later batch holds an earlier report of the same request (a
+    pass's "matched, matched, ..., posted, posted, ..." is two batches however the writer
+    interleaved them). Requests are independent instances, so only each one's order counts."""
+
+    __slots__ = ("_batches", "_latest")
+
+    def __init__(self) -> None:
+        self._batches: dict[tuple[Event, str | None], tuple[int, list[str]]] = {}
+        self._latest: dict[str, int] = {}
+
+    def add(self, item: ReportToMain) -> bool:
+        """Add `item`; False when it cannot join without reordering (apply the batches
+        taken so far, then add it again)."""
+        key = (item.event, item.peer)
+        batch = self._batches.get(key)
+        request_id = item.request_id
+        if batch is None:
+            batch = self._batches[key] = (len(self._batches), [])
+        elif self._latest.get(request_id, -1) > batch[0]:
+            return False
+        self._latest[request_id] = batch[0]
+        batch[1].append(request_id)
+        return True
+
+    def take(self) -> list[tuple[tuple[Event, str | None], list[str]]]:
+        """The batches in the order they were opened; empties this."""
+        out = [(key, ids) for key, (_index, ids) in self._batches.items()]
+        self._batches = {}
+        self._latest = {}
+        return out
