@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from kvhandoff.adapters.push_transport import (
@@ -118,10 +118,10 @@ class RankWriterSide:
             writer.on_handshake_result(engine_id, attempt, ok, now)
             self._execute(now)
             handled += 1
-        while self.writer_inbox:
-            writer.on_command(self.writer_inbox.popleft(), now)
-            self._execute(now)
-            handled += 1
+        if self.writer_inbox:
+            handled += writer.on_commands(
+                _drain(self.writer_inbox), now, lambda: self._execute(now)
+            )
         try:
             notifs = self.transport.get_new_notifs()
         except KvHandoffError as exc:
@@ -451,3 +451,9 @@ def _check_registration(info: EngineInfo, d_rank: int, reg: PushRegistration) ->
         )
     if not 0 <= d_rank < len(info.ranks):
         raise RemoteProtocolError(f"{reg.request_id} names rank {d_rank} of {info.engine_id}")
+
+
+def _drain(inbox: deque[WriterCommand]) -> Iterator[WriterCommand]:
+    """The inbox's commands, oldest first, including any the main thread adds meanwhile."""
+    while inbox:
+        yield inbox.popleft()

@@ -210,7 +210,7 @@ def test_R_P05_B11_remote_engine_model() -> None:
         REMOTE_ENGINE,
         context=st.fixed_dictionaries({"host": st.just("127.0.0.1"), "port": st.just(5500)}),
         payloads={
-            Ensure: OPS.map(Ensure),
+            Ensure: st.lists(OPS, min_size=1, max_size=3).map(lambda ops: Ensure(tuple(ops))),
             Succeeded: st.builds(Succeeded, st.sampled_from([1, 1, 1, 0, 2])),
             Failed: st.builds(Failed, st.sampled_from([1, 1, 0, 2])),
             Cancel: st.builds(Cancel, st.sampled_from(["d-1", "p-1"])),

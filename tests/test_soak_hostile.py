@@ -52,6 +52,7 @@ def test_S_01_S_03_S_06_hostile_soak_serves_every_legitimate_request_and_counts_
         assert counted.get(kind, 0) > 0, f"no role counted the {kind} attack"
     assert result["uncounted"] == [] and result["unsent"] == []
     assert result["attack_errors"] == {}
+    assert set(result["attack_targets_gone"]) <= {"side_channel"}  # closed at its role's end
     # The floods go past the caps: more idle connections than the side channel keeps for
     # one host, and past the producer's per-host grant cap.
     assert result["rejected"]["prefill"]["side_channel_shed"].get("host_cap", 0) > 0

@@ -41,6 +41,7 @@ from kvhandoff.machines.kv.events import HandshakeDone, HandshakeStarted
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout
 from kvhandoff.machines.runtime.effects import Effect, ExtendDeadline, Metric
 from kvhandoff.machines.runtime.events import Event
+from kvhandoff.protocol.errors import LocalProtocolError
 
 
 @dataclass(slots=True)
@@ -55,9 +56,14 @@ class RemoteEngineCtx:
 
 @dataclass(frozen=True, slots=True)
 class Ensure(Event):
-    """An operation needs the peer connected: proceed, or wait for the handshake."""
+    """Operations need the peer connected: proceed, or wait for the handshake. A writer
+    hands one engine the operations of a run of commands together, in their order."""
 
-    op: DeferredOp
+    ops: tuple[DeferredOp, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ops:
+            raise LocalProtocolError("Ensure carries at least one operation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,25 +134,26 @@ def current(ctx: RemoteEngineCtx, event: Succeeded | Failed) -> bool:
     return event.attempt == ctx.attempt
 
 
-def _defer(ctx: RemoteEngineCtx, op: DeferredOp) -> list[Effect]:
-    ctx.deferred.append(op)
-    return [ReportToMain(op.request_id, HandshakeStarted())]
+def _defer(ctx: RemoteEngineCtx, ops: tuple[DeferredOp, ...]) -> list[Effect]:
+    ctx.deferred.extend(ops)
+    return [ReportToMain(op.request_id, HandshakeStarted()) for op in ops]
 
 
 def start(ctx: RemoteEngineCtx, event: Ensure) -> list[Effect]:
-    ctx.host, ctx.port = endpoint(event.op)
+    first = event.ops[0]  # the side channel the earliest operation names
+    ctx.host, ctx.port = endpoint(first)
     ctx.attempt += 1
-    tp_size, pp_size = shape(event.op)
+    tp_size, pp_size = shape(first)
     handshake = StartHandshake(ctx.key, ctx.host, ctx.port, ctx.attempt, tp_size, pp_size)
-    return [handshake, *_defer(ctx, event.op)]
+    return [handshake, *_defer(ctx, event.ops)]
 
 
 def defer(ctx: RemoteEngineCtx, event: Ensure) -> list[Effect]:
-    return _defer(ctx, event.op)
+    return _defer(ctx, event.ops)
 
 
 def proceed(ctx: RemoteEngineCtx, event: Ensure) -> list[Effect]:
-    return [event.op, ExtendDeadline(ctx.ttl)]
+    return [*event.ops, ExtendDeadline(ctx.ttl)]
 
 
 def keep_alive(ctx: RemoteEngineCtx, event: Touch) -> list[Effect]:

@@ -27,6 +27,7 @@ Time is an argument: every entry point takes `now`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvhandoff.machines.kv.effects import (
@@ -94,6 +95,10 @@ log = logging.getLogger("kvhandoff.push.writer")
 Identity = tuple[str, int] | None
 """(engine id, global rank) of a sending agent, or None when it belongs to no known engine."""
 
+_GATHERED_COMMANDS = (SendRegistration, StageBlocks, StartRead)
+"""Commands that only start operations: a run of them hands its engines their operations
+together (`on_commands`)."""
+
 _COLLECTED = (
     ReportToMain,
     StartHandshake,
@@ -146,6 +151,9 @@ class PushWriter:
         self._awaiting = self.bus.machine(MATCH).watch("awaiting_registration")
         self._heard: set[str] = set()  # engines heard from since the last `advance` (B-11)
         self._effects: list[Effect] = []
+        # Operations of a run of commands, per remote engine, until `on_commands` hands
+        # them over (None: every operation goes to its engine at once).
+        self._gathered: dict[str, list[DeferredOp]] | None = None
         bus = self.bus
         for effect_type in _COLLECTED:
             bus.handle(effect_type, self._collect)
@@ -206,6 +214,39 @@ class PushWriter:
             self._effects.append(ReportToMain(command.request_id, Revoked()))
         self._update_self_poll()
 
+    def on_commands(
+        self, commands: Iterable[WriterCommand], now: float, execute: Callable[[], None]
+    ) -> int:
+        """A run of commands from the main thread, in the order given: what `on_command`
+        does for each, calling `execute` (the caller's executor of `take_effects`) after
+        each, except that the operations the run sends through a remote engine (PUSH_REGs,
+        pushes, READs) reach it together, one `Ensure` per engine. A command that could
+        change what an earlier one sent (a revoked lease, an eviction) hands over what
+        waits first, so nothing overtakes it. Returns how many commands were taken."""
+        taken = 0
+        try:
+            for command in commands:
+                if isinstance(command, _GATHERED_COMMANDS):
+                    if self._gathered is None:
+                        self._gathered = {}
+                else:
+                    self._hand_over(now)
+                    execute()
+                self.on_command(command, now)
+                execute()
+                taken += 1
+        finally:
+            self._hand_over(now)
+        execute()
+        return taken
+
+    def _hand_over(self, now: float) -> None:
+        gathered, self._gathered = self._gathered, None
+        for engine_id, ops in (gathered or {}).items():
+            self._ensure(engine_id, tuple(ops), now)
+        if gathered:
+            self._update_self_poll()
+
     def on_handshake_result(self, engine_id: str, attempt: int, ok: bool, now: float) -> None:
         # Due timers first: an engine evicted by now takes no late result.
         self.bus.advance(now)
@@ -232,7 +273,7 @@ class PushWriter:
         """Send a push, or a `PUSH_REG`, through the peer's remote engine again (after its
         agents were forgotten, B-08)."""
         engine = op.engine_id if isinstance(op, ReplayPush) else op.registration.remote_engine_id
-        self._through(engine, op, now)
+        self._ensure(engine, (op,), now)
 
     def advance(self, now: float) -> None:
         """Fire what is due by `now` (pending registrations, tombstones, handshakes,
@@ -372,11 +413,20 @@ class PushWriter:
     # -- remote engines (R-P05, B-08, B-11) --------------------------------------------
 
     def _through(self, engine_id: str, op: DeferredOp, now: float) -> None:
+        gathered = self._gathered
+        if gathered is None:
+            self._ensure(engine_id, (op,), now)
+        elif engine_id in gathered:
+            gathered[engine_id].append(op)
+        else:
+            gathered[engine_id] = [op]
+
+    def _ensure(self, engine_id: str, ops: tuple[DeferredOp, ...], now: float) -> None:
         bus = self.bus
         if bus.get(REMOTE_ENGINE, engine_id) is None:
             ctx = RemoteEngineCtx(engine_id, "", 0, ttl=self.config.engine_ttl)
             bus.create(REMOTE_ENGINE, ctx, now)
-        bus.dispatch(REMOTE_ENGINE, engine_id, Ensure(op), now)
+        bus.dispatch(REMOTE_ENGINE, engine_id, Ensure(ops), now)
 
     def _touch(self, engine_id: str, now: float) -> None:
         if self.bus.get(REMOTE_ENGINE, engine_id) is not None:

@@ -34,6 +34,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -55,6 +56,7 @@ class Attack:
         self.rate = rate
         self.sent: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.targets_gone: set[str] = set()
         self.stop = threading.Event()
         self.published: list[str] = []
         self.producer_meta: queue.Queue[bytes] = queue.Queue()
@@ -63,6 +65,11 @@ class Attack:
     def count(self, kind: str, n: int = 1) -> None:
         with self._lock:
             self.sent[kind] += n
+
+    def gone(self, target: str) -> None:
+        """`target` stopped listening after it was flooded (its role ended first)."""
+        with self._lock:
+            self.targets_gone.add(target)
 
     def error(self, what: str) -> None:
         with self._lock:
@@ -103,6 +110,15 @@ def side_channel_flood(attack: Attack, host: str, port: int, wave: int) -> None:
             try:
                 sock.bind((attack.source, 0))
                 sock.connect((host, port))
+            except ConnectionRefusedError:
+                sock.close()
+                if attack.sent["side_channel_idle_connections"] == 0:
+                    raise  # never listening: an error of the soak, reported
+                # P's listener closed: its role finished and left before `stop` reached us
+                # (the soak stops the attacks at the first role's summary).
+                attack.gone("side_channel")
+                attack.stop.wait()
+                break
             except OSError as exc:
                 sock.close()
                 attack.error(f"side channel connect: {exc}")
@@ -205,7 +221,7 @@ def nixl_flood(attack: Attack, push_host: str, push_port: int, batch: int) -> No
     payload = decode_handshake(fetch_handshake(push_host, push_port, 30.0))
     agent = NixlAgent(f"soak-attacker-{secrets.token_hex(4)}", progress_thread=False)
     try:
-        p_agent = agent.add_remote(payload.agent_metadata)
+        p_agent = _add_remote(attack, agent, payload.agent_metadata)
         producer: str | None = None
 
         def push_reg(engine: str) -> bytes:
@@ -257,6 +273,20 @@ def nixl_flood(attack: Attack, push_host: str, push_port: int, batch: int) -> No
             attack.pause(0.05)
     finally:
         agent.close()
+
+
+def _add_remote(attack: Attack, agent: Any, metadata: bytes, attempts: int = 5) -> str:
+    """Load P's agent metadata; UCX on a busy host sometimes fails the first load
+    (`NIXL_ERR_BACKEND`), so the attacker tries again before it reports the error."""
+    from kvhandoff.protocol.errors import KvHandoffError
+
+    for attempt in range(attempts):
+        try:
+            return str(agent.add_remote(metadata))
+        except KvHandoffError:
+            if attempt == attempts - 1 or attack.stop.wait(0.2 * (attempt + 1)):
+                raise
+    raise AssertionError("unreachable")
 
 
 # -- the process ---------------------------------------------------------------------------
@@ -316,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         role="attacker",
         sent=dict(attack.sent),
         errors=dict(attack.errors),
+        targets_gone=sorted(attack.targets_gone),
         rss_mb_start=rss_start,
         rss_mb=rss_mb(),
     )

@@ -17,7 +17,9 @@ host, 512 in all): each attack wave opens more than 64.
 One JSON object: the legitimate requests done and failed per kind, each role's resident
 memory at its first request and at its end, what the attackers sent per kind, what the
 roles rejected per cause (their counters), and `counted`: for each attack kind, the
-rejections the roles counted for it (each must be > 0).
+rejections the roles counted for it (each must be > 0). `attack_targets_gone` names the
+listeners that closed under a flood after it had reached them: a role that finished and
+left before the attackers heard `stop` (the soak stops them at the first role's summary).
 """
 
 from __future__ import annotations
@@ -246,6 +248,7 @@ class HostileSoak:
             "rss_growth_mb": max(growths) if growths else None,
             "attacks_sent": self.attack_summary.get("sent", {}),
             "attack_errors": self.attack_summary.get("errors", {}),
+            "attack_targets_gone": self.attack_summary.get("targets_gone", []),
             "rejected": rejected,
             "counted": counted,
             "uncounted": [k for k in ATTACK_KINDS if not counted.get(k)],
