@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 from kvhandoff.adapters.push_transport import (
@@ -51,7 +51,7 @@ from kvhandoff.machines.kv.events import (
     WriteSubmitFailed,
 )
 from kvhandoff.machines.push.scheduler import Mode, Role
-from kvhandoff.machines.push.writer import PushWriter
+from kvhandoff.machines.push.writer import GATHERED_COMMANDS, PushWriter
 from kvhandoff.machines.rank.worker import WriterItem
 from kvhandoff.machines.runtime.clock import Clock
 from kvhandoff.machines.runtime.effects import Effect
@@ -118,10 +118,20 @@ class RankWriterSide:
             writer.on_handshake_result(engine_id, attempt, ok, now)
             self._execute(now)
             handled += 1
-        if self.writer_inbox:
-            handled += writer.on_commands(
-                _drain(self.writer_inbox), now, lambda: self._execute(now)
-            )
+        inbox = self.writer_inbox
+        if inbox:
+            writer.gather(True)
+            try:
+                while inbox:
+                    command = inbox.popleft()
+                    if not isinstance(command, GATHERED_COMMANDS) and writer.hand_over(now):
+                        self._execute(now)
+                    writer.on_command(command, now)
+                    self._execute(now)
+                    handled += 1
+            finally:
+                writer.gather(False)
+            self._execute(now)
         try:
             notifs = self.transport.get_new_notifs()
         except KvHandoffError as exc:
@@ -451,9 +461,3 @@ def _check_registration(info: EngineInfo, d_rank: int, reg: PushRegistration) ->
         )
     if not 0 <= d_rank < len(info.ranks):
         raise RemoteProtocolError(f"{reg.request_id} names rank {d_rank} of {info.engine_id}")
-
-
-def _drain(inbox: deque[WriterCommand]) -> Iterator[WriterCommand]:
-    """The inbox's commands, oldest first, including any the main thread adds meanwhile."""
-    while inbox:
-        yield inbox.popleft()

@@ -154,7 +154,9 @@ def test_R_P08_reports_apply_in_batches_without_reordering_any_request(
     (event, peer), yet every request meets its own reports in the order they were made."""
     worker = PushWorker("prefill", "P", PushConfig(), now=0.0)
     applied: list[tuple[object, str | None, list[str]]] = []
-    worker._on_reports = lambda event, peer, ids, now: applied.append((event, peer, ids))  # type: ignore[method-assign]
+    worker._on_reports = lambda event, peer, request_ids, now: applied.append(
+        (event, peer, request_ids)
+    )  # type: ignore[method-assign]
     items = [ReportToMain(f"r{q}", _EVENTS[e], peer) for q, e, peer in reports]
     worker.take_writer_items(items, 1.0)
     for q in {q for q, _e, _p in reports}:
@@ -168,9 +170,73 @@ def test_R_P08_an_interleaved_pass_is_one_batch_per_event() -> None:
     """matched, posted, matched, posted, ... for N requests is two batches, not 2N."""
     worker = PushWorker("prefill", "P", PushConfig(), now=0.0)
     applied: list[tuple[object, list[str]]] = []
-    worker._on_reports = lambda event, peer, ids, now: applied.append((event, list(ids)))  # type: ignore[method-assign]
+    worker._on_reports = lambda event, peer, request_ids, now: applied.append(
+        (event, list(request_ids))
+    )  # type: ignore[method-assign]
     matched, posted = Matched("D", ("D-agent",)), WritePosted(1)
     ids = [f"r{q}" for q in range(REPORTS_BETWEEN // 2)]
     items = [ReportToMain(i, ev) for i in ids for ev in (matched, posted)]
     worker.take_writer_items(items, 1.0)
     assert applied == [(matched, ids), (posted, ids)]
+
+
+def _push_regs_at(transport: MemoryTransport) -> list[str]:
+    """The request ids of the PUSH_REGs waiting in `transport`'s inbox."""
+    from kvhandoff.protocol.notifs import PushRegNotif, parse_notif
+
+    notifs = (parse_notif(data, peer=peer) for peer, data in transport.inbox)
+    return [n.registration.request_id for n in notifs if isinstance(n, PushRegNotif)]
+
+
+def _counting_ensures(side: PushSide) -> list[int]:
+    """How many operations each `Ensure` that reaches D's remote engines carries."""
+    from kvhandoff.machines.push.remote_engine import Ensure
+
+    carried: list[int] = []
+    bus = side.ranks[0].writer.bus
+    dispatch = bus.dispatch
+
+    def counted(kind: object, key: object, event: object, now: float) -> None:
+        if isinstance(event, Ensure):
+            carried.append(len(event.ops))
+        dispatch(kind, key, event, now)  # type: ignore[arg-type]
+
+    bus.dispatch = counted  # type: ignore[method-assign]
+    return carried
+
+
+def test_R_P05_a_writer_pass_hands_each_remote_engine_its_operations_together() -> None:
+    """D's PUSH_REGs of one step reach P's remote engine as one `Ensure` (one handshake,
+    every registration replayed once it connects)."""
+    _p, d, tp, _applied = _pair()
+    carried = _counting_ensures(d)
+    prefill = PrefillCoordinates("P", "127.0.0.1", 5600, 1)
+    ids = [f"cmpl-g{q}-0-ffff0000" for q in range(5)]
+    for q, request_id in enumerate(ids):
+        leg = decode_leg({"request_id": request_id[:-9]}, prefill)
+        d.update_state_after_alloc(request_id, [q], leg["kv_transfer_params"])
+    d.step()
+    d.writer_pass()
+    assert carried == [5]
+    connect_deferred(d.ranks[0])
+    assert sorted(_push_regs_at(tp)) == ids
+
+
+def test_R_P05_an_eviction_in_the_same_pass_still_cancels_a_gathered_registration() -> None:
+    """The engine's abort reaches the writer in the same pass as the registration it ends:
+    the gathered PUSH_REG is handed to its remote engine before the eviction runs, so the
+    eviction cancels it and P never hears of the request."""
+    _p, d, tp, _applied = _pair()
+    carried = _counting_ensures(d)
+    prefill = PrefillCoordinates("P", "127.0.0.1", 5600, 1)
+    kept, aborted = "cmpl-k-0-ffff0000", "cmpl-a-0-ffff0000"
+    for q, request_id in enumerate((kept, aborted)):
+        leg = decode_leg({"request_id": request_id[:-9]}, prefill)
+        d.update_state_after_alloc(request_id, [q], leg["kv_transfer_params"])
+    d.step()  # both registrations wait in the writer's inbox ...
+    d.abort(aborted)
+    d.step()  # ... and the eviction behind them
+    d.writer_pass()
+    assert carried == [2]  # handed over before the eviction
+    connect_deferred(d.ranks[0])
+    assert _push_regs_at(tp) == [kept]

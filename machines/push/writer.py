@@ -27,7 +27,6 @@ Time is an argument: every entry point takes `now`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvhandoff.machines.kv.effects import (
@@ -95,9 +94,9 @@ log = logging.getLogger("kvhandoff.push.writer")
 Identity = tuple[str, int] | None
 """(engine id, global rank) of a sending agent, or None when it belongs to no known engine."""
 
-_GATHERED_COMMANDS = (SendRegistration, StageBlocks, StartRead)
+GATHERED_COMMANDS = (SendRegistration, StageBlocks, StartRead)
 """Commands that only start operations: a run of them hands its engines their operations
-together (`on_commands`)."""
+together (`PushWriter.gather`)."""
 
 _COLLECTED = (
     ReportToMain,
@@ -151,7 +150,7 @@ class PushWriter:
         self._awaiting = self.bus.machine(MATCH).watch("awaiting_registration")
         self._heard: set[str] = set()  # engines heard from since the last `advance` (B-11)
         self._effects: list[Effect] = []
-        # Operations of a run of commands, per remote engine, until `on_commands` hands
+        # Operations of a run of commands, per remote engine, until `hand_over` gives
         # them over (None: every operation goes to its engine at once).
         self._gathered: dict[str, list[DeferredOp]] | None = None
         bus = self.bus
@@ -214,38 +213,27 @@ class PushWriter:
             self._effects.append(ReportToMain(command.request_id, Revoked()))
         self._update_self_poll()
 
-    def on_commands(
-        self, commands: Iterable[WriterCommand], now: float, execute: Callable[[], None]
-    ) -> int:
-        """A run of commands from the main thread, in the order given: what `on_command`
-        does for each, calling `execute` (the caller's executor of `take_effects`) after
-        each, except that the operations the run sends through a remote engine (PUSH_REGs,
-        pushes, READs) reach it together, one `Ensure` per engine. A command that could
-        change what an earlier one sent (a revoked lease, an eviction) hands over what
-        waits first, so nothing overtakes it. Returns how many commands were taken."""
-        taken = 0
-        try:
-            for command in commands:
-                if isinstance(command, _GATHERED_COMMANDS):
-                    if self._gathered is None:
-                        self._gathered = {}
-                else:
-                    self._hand_over(now)
-                    execute()
-                self.on_command(command, now)
-                execute()
-                taken += 1
-        finally:
-            self._hand_over(now)
-        execute()
-        return taken
+    def gather(self, on: bool) -> None:
+        """While on, the operations that commands send through a remote engine (PUSH_REGs,
+        pushes, READs) wait, per engine, for `hand_over`, which gives each engine its
+        operations together in one `Ensure`. A writer pass gathers over a run of
+        `GATHERED_COMMANDS` and hands over before any other command (a revoked lease, an
+        eviction), whose change nothing sent earlier may overtake. Off hands over first."""
+        if not on:
+            self.hand_over(self.bus.now)
+        self._gathered = {} if on else None
 
-    def _hand_over(self, now: float) -> None:
-        gathered, self._gathered = self._gathered, None
-        for engine_id, ops in (gathered or {}).items():
+    def hand_over(self, now: float) -> bool:
+        """Give each remote engine the operations gathered for it; True if there were any
+        (their effects are then waiting in `take_effects`)."""
+        gathered = self._gathered
+        if not gathered:
+            return False
+        self._gathered = {}
+        for engine_id, ops in gathered.items():
             self._ensure(engine_id, tuple(ops), now)
-        if gathered:
-            self._update_self_poll()
+        self._update_self_poll()
+        return True
 
     def on_handshake_result(self, engine_id: str, attempt: int, ok: bool, now: float) -> None:
         # Due timers first: an engine evicted by now takes no late result.

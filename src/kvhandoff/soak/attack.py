@@ -209,19 +209,35 @@ def ec_router_flood(attack: Attack, host: str, port: int, wave: int) -> None:
 # -- NIXL notifs: forged at P, READ notifs naming no grant at the producer ---------------
 
 
-def nixl_flood(attack: Attack, push_host: str, push_port: int, batch: int) -> None:
-    from kvhandoff.adapters.nixl.agent import NixlAgent
-    from kvhandoff.adapters.zmq.side_channel import fetch_handshake
+class NixlFoothold:
+    """The attacker's NIXL agent with P's agent metadata loaded (through a side-channel
+    handshake, as any peer gets it): set up before the attacker says it is ready, so the
+    flood starts with the soak and not after a handshake that the other floods slow."""
+
+    def __init__(self, attack: Attack, push_host: str, push_port: int) -> None:
+        from kvhandoff.adapters.nixl.agent import NixlAgent
+        from kvhandoff.adapters.zmq.side_channel import fetch_handshake
+        from kvhandoff.protocol.handshake import decode_handshake
+
+        self.payload = decode_handshake(fetch_handshake(push_host, push_port, 30.0))
+        self.agent = NixlAgent(f"soak-attacker-{secrets.token_hex(4)}", progress_thread=False)
+        try:
+            self.p_agent = _add_remote(attack, self.agent, self.payload.agent_metadata)
+        except BaseException:
+            self.agent.close()
+            raise
+
+
+def nixl_flood(
+    attack: Attack, foothold: NixlFoothold, push_host: str, push_port: int, batch: int
+) -> None:
     from kvhandoff.protocol.ec_wire import read_notif
-    from kvhandoff.protocol.handshake import decode_handshake
     from kvhandoff.protocol.notif_bundle import NOTIF_BUNDLE_PREFIX
     from kvhandoff.protocol.notifs import encode_heartbeat
     from kvhandoff.protocol.push_wire import PushRegistration, encode_push_reg
 
-    payload = decode_handshake(fetch_handshake(push_host, push_port, 30.0))
-    agent = NixlAgent(f"soak-attacker-{secrets.token_hex(4)}", progress_thread=False)
+    payload, agent, p_agent = foothold.payload, foothold.agent, foothold.p_agent
     try:
-        p_agent = _add_remote(attack, agent, payload.agent_metadata)
         producer: str | None = None
 
         def push_reg(engine: str) -> bytes:
@@ -324,19 +340,28 @@ def main(argv: list[str] | None = None) -> int:
     attack = Attack(args.source, args.rate)
     go = threading.Event()
     threading.Thread(target=_read_stdin, args=(attack, go), daemon=True).start()
+    push_host, push_port = _host_port(args.push)
+    ec_host, ec_port = _host_port(args.ec)
+    foothold: NixlFoothold | None = None
+    try:
+        foothold = NixlFoothold(attack, push_host, push_port)
+    except Exception as exc:  # reported in the summary; the other floods still run
+        attack.error(f"nixl: {type(exc).__name__}: {exc}")
     emit("ready", role="attacker", pid=os.getpid())
     go.wait()
     rss_start = rss_mb()
-    push_host, push_port = _host_port(args.push)
-    ec_host, ec_port = _host_port(args.ec)
     threads = [
         attack.run(
             "side_channel",
             lambda: side_channel_flood(attack, push_host, push_port, args.connections),
         ),
         attack.run("ec_router", lambda: ec_router_flood(attack, ec_host, ec_port, args.identities)),
-        attack.run("nixl", lambda: nixl_flood(attack, push_host, push_port, args.notifs)),
     ]
+    if foothold is not None:
+        held = foothold
+        threads.append(
+            attack.run("nixl", lambda: nixl_flood(attack, held, push_host, push_port, args.notifs))
+        )
     attack.stop.wait(args.seconds)
     attack.stop.set()
     for thread in threads:
