@@ -1,21 +1,31 @@
-"""`python -m kvhandoff.bench.probes.push_writer_pass`: the host cost of P's side of a
-push, per request, in one process (a probe: a stand-in transport, no NIXL, no GPU).
+"""`python -m kvhandoff.bench.probes.push_writer_pass`: the host cost of a push, P and D,
+per request, in one process (a probe: a stand-in transport, no NIXL, no GPU).
 
-One P engine (`PushSide`: the real scheduler, worker rank, writer core and executors) over
-a transport that knows one connected D engine and queues WRITEs the way the CUDA IPC
-transport does (nothing moves, each handle is DONE once "launched"). Per rep: `requests`
-`PUSH_REG`s reach the writer and are held (untimed), then P finishes every request in one
-engine step and the phases are timed one after the other, single-threaded, with
+A P and a D engine (`PushSide`: the real scheduler, worker rank, writer core and
+executors), each over a transport that knows the other engine as connected; P's queues
+WRITEs the way the CUDA IPC transport does (nothing moves, each handle is DONE once
+"launched"). Per rep: D registers
+`requests` requests and P's writer holds their `PUSH_REG`s, then P finishes every request
+in one engine step; the phases are timed one after the other, single-threaded, with
 `time.perf_counter`:
 
+- `d_register`: D's side of the registrations: `update_state_after_alloc` for every
+  request, the engine step that hands them to the rank, and the writer pass that sends the
+  `PUSH_REG`s (encoded, sent through the stand-in);
+- `p_reg`: P's writer pass that takes them (each `PUSH_REG` checked, decoded, validated
+  and held in its match slot);
 - `finish`: the scheduler's `request_finished` for every request;
 - `stage`: the engine step that hands the blocks to the rank (`build_connector_meta`,
   `start_load_kv`);
 - `writer`: the writer pass that matches and issues every WRITE;
 - `report`: the engine step that takes the writer's reports, polls the WRITEs and reports
-  `finished_sending`.
+  `finished_sending`;
+- `d_writer`: D's writer pass that takes the completion notifs;
+- `d_step`: D's engine step that applies them and reports `finished_recving`.
 
-Prints the median of each phase in µs per request (and in total) as JSON.
+Prints the median of each phase in µs per request, their total, and `total_from_finish`
+(the phases from `finish` on: what the probe timed before `d_register` and `p_reg` were
+added) as JSON.
 
 `--count` runs the same reps under cProfile instead, from D's `update_state_after_alloc`
 to D's `finished_recving` (both engines' scheduler, rank and writer halves), and prints
@@ -158,7 +168,7 @@ class MemoryTransport:
         return None
 
 
-PHASES = ("finish", "stage", "writer", "report", "d_writer", "d_step")
+PHASES = ("d_register", "p_reg", "finish", "stage", "writer", "report", "d_writer", "d_step")
 
 
 def _created(side: PushSide) -> int:
@@ -197,14 +207,16 @@ def run(
         n = blocks_per_request
         p_blocks = [list(range(q * n, (q + 1) * n)) for q in range(requests)]
         d_blocks = list(reversed(p_blocks))
-        for q, cid in enumerate(client):  # D registers (untimed) ...
-            leg = decode_leg({"request_id": cid}, prefill)
-            d.update_state_after_alloc(f"{cid}-ffff0000", d_blocks[q], leg["kv_transfer_params"])
+        legs = [decode_leg({"request_id": cid}, prefill)["kv_transfer_params"] for cid in client]
+        tr = time.perf_counter()
+        for q, cid in enumerate(client):  # D registers ...
+            d.update_state_after_alloc(f"{cid}-ffff0000", d_blocks[q], legs[q])
         d.step()
         d.writer_pass()
-        connect_deferred(d.ranks[0])
+        connect_deferred(d.ranks[0])  # first rep: D's remote engine connects
         d.writer_pass()
-        p.writer_pass()  # ... and P's writer holds the registrations
+        tp0 = time.perf_counter()
+        p.writer_pass()  # ... and P's writer takes and holds the registrations
         t0 = time.perf_counter()
         for q, cid in enumerate(client):
             p.request_finished(f"{cid}-abcd1234", p_blocks[q], {"do_remote_decode": True})
@@ -232,11 +244,13 @@ def run(
             d.writer_pass()
             received |= set(d.step().finished_recving)
         if rep >= 2:
-            marks = (t0, t1, t2, t3, t4, t5, t6)
+            marks = (tr, tp0, t0, t1, t2, t3, t4, t5, t6)
             for i, name in enumerate(PHASES):
                 phases[name].append((marks[i + 1] - marks[i]) * 1e6 / requests)
     result = {name: round(statistics.median(v), 2) for name, v in phases.items()}
     result["total"] = round(sum(result.values()), 2)
+    # The phases timed before `d_register` and `p_reg` were (issue 26's earlier figures).
+    result["total_from_finish"] = round(sum(result[name] for name in PHASES[2:]), 2)
     if profile is not None:
         result["instances_per_request"] = round(created / (requests * reps), 2)
     return result
