@@ -20,6 +20,16 @@ time:
   to pair with a later attempt. A `PUSH_REG` with a new D id, or new P blocks, is a new
   attempt (a retry that reuses the base id after a failure is never swallowed).
 
+Why this is its own machine and not a state of P's request (`push.p_lease`): it is keyed
+differently, and it lives where its inputs do. A `PUSH_REG` names D's request id, and
+may arrive before P's engine has the request at all (D registers while P prefills):
+there is no P request id, no lease and no blocks to attach it to yet, only the base id
+both engines' ids share (R-P04). One base id also sees several P attempts and D ids over
+its life (a retry after a failure, a late duplicate after a push: the tombstone), while
+a lease lives for one P request. And the slot is fed by `get_new_notifs`, which only the
+writer thread calls (R-P08), while the lease is the main thread's (heartbeats, the
+reaper, `finished_sending`, R-P11): the two talk through typed commands and reports.
+
 Every registration held waiting is accounted (`HoldPending`) for the per-peer and total
 caps (S-03); every drop is reported (`DroppedRegistration`). `RegArrived` comes from a
 peer: one the slot's guards refuse (a registration that contradicts the other ranks' of
