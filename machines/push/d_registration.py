@@ -2,6 +2,9 @@
 metadata to received KV (R-P02, R-P05, R-P08, R-P12, R-T03, R-T04, B-10, S-02).
 
 One instance per decode request, keyed by D's request id, on the rank's main-thread bus.
+The rank, not only the scheduler, keeps the request: vLLM 0.33 reads the workers' load
+errors (`invalid_block_ids`) before it hands the connector their outputs, so a rank whose
+part fails must name the failed blocks itself (docs/architecture.md).
 
 - `start_load_kv` hands the registration to the writer thread (`Enqueued`), which sends
   this rank's `PUSH_REG` to the P ranks that write into it, every stage of a PP producer
