@@ -56,6 +56,8 @@ def merge(into: StatsData, other: Mapping[str, Any]) -> StatsData:
         mine = into.get(name)
         if isinstance(value, list | tuple):
             into[name] = [*(mine if isinstance(mine, list) else ()), *value]
+        elif isinstance(value, int | float):  # before `Mapping`: a builtin check is cheap
+            into[name] = (int(mine) if isinstance(mine, int | float) else 0) + int(value)
         elif isinstance(value, Mapping):
             counts = dict(mine) if isinstance(mine, Mapping) else {}
             for label, count in value.items():
@@ -86,11 +88,10 @@ def reduce(data: Mapping[str, Any]) -> dict[str, int | float]:
 def is_empty(data: Mapping[str, Any]) -> bool:
     """True when nothing was observed: every count zero, every list empty."""
     for value in data.values():
-        if isinstance(value, list | tuple) and value:
-            return False
-        if isinstance(value, Mapping) and any(value.values()):
-            return False
-        if isinstance(value, int | float) and value:
+        if isinstance(value, list | tuple | int | float):  # builtin checks first: cheap
+            if value:
+                return False
+        elif isinstance(value, Mapping) and any(value.values()):
             return False
     return True
 
@@ -101,7 +102,7 @@ def delta(totals: Mapping[str, Any], seen: dict[str, Any]) -> StatsData:
     out: StatsData = {}
     for name, value in totals.items():
         before = seen.get(name)
-        if isinstance(value, Mapping):
+        if not isinstance(value, int | float) and isinstance(value, Mapping):
             old = before if isinstance(before, Mapping) else {}
             moved = {k: int(n) - int(old.get(k, 0)) for k, n in value.items()}
             moved = {k: n for k, n in moved.items() if n}
