@@ -113,8 +113,10 @@ def target_ranks(p_tp: int, p_tp_rank: int, d_tp: int) -> frozenset[int]:
     return frozenset(t.d_rank for t in write_targets(p_tp, p_tp_rank, d_tp))
 
 
+@lru_cache(maxsize=256)
 def writers_of(d_rank: int, d_tp: int, p_tp: int, p_pp: int) -> tuple[int, ...]:
-    """The global P ranks (every stage) that write into D rank `d_rank`."""
+    """The global P ranks (every stage) that write into D rank `d_rank` (memoised like
+    `write_targets`: asked for every registration, on D's rank and on its writer)."""
     check_tp_sizes(p_tp, d_tp)
     if not 0 <= d_rank < d_tp:
         raise ValueError(f"D rank {d_rank} is not below D TP {d_tp}")
