@@ -18,8 +18,8 @@ a run at a time in C (a fixint run by one `re` match, a run of wider integers by
 stripping its type byte from every `width`-th byte) instead of one Python loop turn each:
 the same objects are counted, the same limits apply at the same byte, and
 `tests/test_msgpack_limits.py` checks the result against the one-object-at-a-time walk
-on generated messages. Every failure is a `RemoteProtocolError` naming `what` and
-`peer`.
+(`integer_runs=False`) on generated messages. Every failure is a `RemoteProtocolError`
+naming `what` and `peer`.
 """
 
 from __future__ import annotations
@@ -102,9 +102,12 @@ def check_msgpack(
     max_items: int,
     what: str = "message",
     peer: str | None = None,
+    integer_runs: bool = True,
 ) -> None:
     """Raise `RemoteProtocolError` unless `data` is exactly one msgpack object within the
-    limits (see the module docstring)."""
+    limits (see the module docstring). `integer_runs=False` reads one object per loop
+    turn: the same decisions, slower (the reference the fast path is tested and
+    benchmarked against)."""
     view = data if isinstance(data, bytes) else bytes(data)  # one copy: C-speed slices
     size = len(view)
     pos = 0
@@ -168,7 +171,7 @@ def check_msgpack(
         if needed:
             if len(stack) > max_depth:
                 raise fail(f"nested deeper than {max_depth}")
-            if slots == 1:  # an array: its leading runs of equal-width integers at once
+            if slots == 1 and integer_runs:  # an array's leading integer runs at once
                 while needed and pos < size:
                     head = view[pos]
                     if head <= 0x7F or head >= 0xE0:

@@ -1,8 +1,8 @@
 """`python -m kvhandoff.bench.probes.push_reg_decode`: what decoding one `PUSH_REG` costs
 P's writer thread (S-01's structure check, msgspec's typed decode, the field checks), by
-the number of block ids D registers, with `check_msgpack` against the one-object-a-turn
-walk it replaced (`--baseline`: that walk, kept in `tests/test_msgpack_limits.py`, is
-measured in the same run). Prints one JSON line: µs per `decode_push_reg`, best of 5."""
+the number of block ids D registers; `--baseline` also times the one-object-a-turn walk
+(`check_msgpack(..., integer_runs=False)`) in the same run. Prints one JSON line: µs per
+`decode_push_reg`, best of 5."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 import kvhandoff.protocol.push_wire as push_wire
-from kvhandoff.protocol.errors import RemoteProtocolError
+from kvhandoff.protocol.msgpack_limits import check_msgpack
 from kvhandoff.protocol.push_wire import PushRegistration, decode_push_reg, encode_push_reg
 
 
@@ -44,20 +44,23 @@ def _best_us(call: Callable[[], object], reps: int) -> float:
     return round(best * 1e6, 2)
 
 
-def run(block_counts: list[int], baseline: Callable[..., None] | None) -> dict[str, Any]:
+def _one_object_a_turn(data: Any, **limits: Any) -> None:
+    check_msgpack(data, **limits, integer_runs=False)
+
+
+def run(block_counts: list[int], baseline: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
     namespace = vars(push_wire)  # where `decode_push_reg` finds its checker
-    checker = namespace["check_msgpack"]
     for blocks in block_counts:
         decode = partial(decode_push_reg, _registration(blocks))
         reps = max(20, 40_000 // (blocks + 16))
         row = {"decode_us": _best_us(decode, reps)}
-        if baseline is not None:
-            namespace["check_msgpack"] = baseline
+        if baseline:
+            namespace["check_msgpack"] = _one_object_a_turn
             try:
                 row["baseline_decode_us"] = _best_us(decode, reps)
             finally:
-                namespace["check_msgpack"] = checker
+                namespace["check_msgpack"] = check_msgpack
             row["speedup"] = round(row["baseline_decode_us"] / row["decode_us"], 2)
         result[str(blocks)] = row
     return result
@@ -67,22 +70,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 256, 2048])
     parser.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also time the one-object-a-turn walk (needs the repository's tests/ on the path)",
+        "--baseline", action="store_true", help="also time the one-object-a-turn walk"
     )
     args = parser.parse_args()
-    baseline = None
-    if args.baseline:
-        from test_msgpack_limits import reference_walk  # type: ignore[import-not-found]
-
-        def baseline(data: Any, *, max_items: int, what: str, peer: str | None) -> None:
-            try:
-                reference_walk(bytes(data), max_depth=16, max_items=max_items)
-            except RemoteProtocolError as exc:
-                raise RemoteProtocolError(f"{what}: {exc}", peer=peer) from None
-
-    print(json.dumps(run(args.blocks, baseline)))
+    print(json.dumps(run(args.blocks, args.baseline)))
     return 0
 
 
