@@ -118,7 +118,7 @@ class PushRank(RankWriterSide):
         # Main thread.
         self.worker = PushWorker(role, engine_id, self.config, mode, rank=rank, now=clock())
         self.bus = self.worker.bus
-        self.sending_transfers: dict[str, list[tuple[int, TransferHandle]]] = {}
+        self.sending_transfers: dict[str, list[tuple[int, TransferHandle | None]]] = {}
         # Writer thread.
         self.writer = PushWriter(role, engine_id, self.config, mode, rank=rank, started_at=wall())
         self.writer_bus = self.writer.bus
@@ -204,7 +204,7 @@ class PushRank(RankWriterSide):
         if handles is None:
             return True
         transport = self.transport
-        return all(transport.poll(handle) != "PROC" for _rank, handle in handles)
+        return all(handle is None or transport.poll(handle) != "PROC" for _rank, handle in handles)
 
     def _poll_transfer(self, _inst: Instance[object] | None, effect: PollTransfer) -> None:
         self._adopt_posted_transfers()
@@ -212,7 +212,9 @@ class PushRank(RankWriterSide):
         if handles is None:
             return
         transport = self.transport
-        states = [(rank, transport.poll(handle)) for rank, handle in handles]
+        states = [
+            (rank, "ERR" if handle is None else transport.poll(handle)) for rank, handle in handles
+        ]
         if any(state == "PROC" for _rank, state in states):
             return
         del self.sending_transfers[effect.request_id]
@@ -237,7 +239,9 @@ class PushRank(RankWriterSide):
         for _rank, handle in handles:
             self._release(handle)
 
-    def _release(self, handle: TransferHandle) -> None:
+    def _release(self, handle: TransferHandle | None) -> None:
+        if handle is None:  # a READ that never posted
+            return
         try:
             self.transport.release(handle)
         except KvHandoffError as exc:

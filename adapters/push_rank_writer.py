@@ -62,15 +62,22 @@ from kvhandoff.protocol.handshake import EXT_PUSH_FAIL, decode_engine_handshake
 from kvhandoff.protocol.notifs import encode_completion_notif, encode_write_failed
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration, encode_push_reg
-from kvhandoff.protocol.tp_mapping import check_tp_sizes, write_targets, writers_of
+from kvhandoff.protocol.tp_mapping import (
+    check_tp_sizes,
+    read_sources,
+    write_targets,
+    writers_of,
+)
 
 log = logging.getLogger("kvhandoff.push.rank")
 
 HandshakeJob = Callable[[], None]
 HandshakeResult = tuple[str, int, bool, str]
 """(engine id, attempt, ok, detail): what a handshake job posts for the writer."""
-Posted = tuple[str, list[tuple[int, TransferHandle]]]
-"""(request id, [(remote rank, handle)]): transfers the writer posted, for the main thread."""
+Posted = tuple[str, list[tuple[int, TransferHandle | None]]]
+"""(request id, [(remote rank, handle)]): transfers the writer posted, for the main thread.
+A None handle is a pull READ that failed to post beside others that did: it polls as
+failed once they ended, so the blocks are reused only after every posted READ ended."""
 
 
 class RankWriterSide:
@@ -368,31 +375,72 @@ class RankWriterSide:
     # -- pull mode (B-09) --------------------------------------------------------------
 
     def _issue_read(self, effect: IssueRead, now: float) -> None:
+        """One READ per P rank this rank reads from (`read_sources`: what that rank would
+        have written here in push mode), each carrying its completion notif. Checked
+        before any is posted; a READ that fails to post beside posted ones fails the
+        request once those ended (B-09, R-T03)."""
         source = effect.source
         engine = source.prefill.engine_id
         info = self.transport.engine(engine)
         try:
             if info is None:
                 raise KvHandoffError(f"no connected agents for {engine}")
-            rank = info.ranks[0]
-            remote = expand_to_physical(source.block_ids, rank.physical_blocks_per_logical)
-            check_within_capacity(source.request_id, remote, rank.capacity, engine_id=engine)
-            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
-            if len(local) != len(remote):
+            if (info.tp_size, info.pp_size) != (source.prefill.tp_size, 1):
                 raise RemoteProtocolError(
-                    f"{effect.request_id} holds {len(local)} physical blocks here,"
-                    f" {source.request_id} names {len(remote)} on {engine}"
+                    f"{engine} runs TP {info.tp_size} x PP {info.pp_size}; pull reads from"
+                    f" one stage of TP {source.prefill.tp_size}",
+                    peer=engine,
                 )
+            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
+            pairs: list[tuple[int, list[int]]] = []
+            sources = read_sources(self.config.tp_size, self.tp_rank, info.tp_size)
+            for read in sources:
+                rank = info.ranks[read.p_rank]
+                remote = expand_to_physical(source.block_ids, rank.physical_blocks_per_logical)
+                check_within_capacity(source.request_id, remote, rank.capacity, engine_id=engine)
+                if len(local) != len(remote):
+                    raise RemoteProtocolError(
+                        f"{effect.request_id} holds {len(local)} physical blocks here,"
+                        f" {source.request_id} names {len(remote)} on {engine}"
+                    )
+                pairs.append((read.p_rank, remote))
             notif = self._seal(encode_completion_notif(source.request_id, self.config.tp_size))
-            handle = self.transport.read_blocks(engine, 0, local, remote, notif)
         except KvHandoffError as exc:
-            log.warning("READ for %s failed to post: %s", effect.request_id, exc)
-            self.failed_transfers += 1
-            self._forget_if_gone(engine, exc, now)
-            self._report(effect.request_id, ReadSubmitFailed())
+            self._read_submit_failed(effect.request_id, engine, exc, now)
             return
-        self.posted_transfers.append((effect.request_id, [(0, handle)]))
+        handles: list[tuple[int, TransferHandle | None]] = []
+        for read, (p_rank, remote) in zip(sources, pairs, strict=True):
+            try:
+                handle = self.transport.read_blocks(
+                    engine,
+                    p_rank,
+                    local,
+                    remote,
+                    notif,
+                    local_chunk=read.local,
+                    remote_chunk=read.remote,
+                )
+            except KvHandoffError as exc:
+                if not handles:
+                    self._read_submit_failed(effect.request_id, engine, exc, now)
+                    return
+                log.warning(
+                    "READ %s from rank %d failed to post: %s", effect.request_id, p_rank, exc
+                )
+                self._forget_if_gone(engine, exc, now)
+                handles.append((p_rank, None))
+                continue
+            handles.append((p_rank, handle))
+        self.posted_transfers.append((effect.request_id, handles))
         self._report(effect.request_id, ReadPosted())
+
+    def _read_submit_failed(
+        self, request_id: str, engine: str, exc: KvHandoffError, now: float
+    ) -> None:
+        log.warning("READ for %s failed to post: %s", request_id, exc)
+        self.failed_transfers += 1
+        self._forget_if_gone(engine, exc, now)
+        self._report(request_id, ReadSubmitFailed())
 
     # -- peers --------------------------------------------------------------------------
 
@@ -410,7 +458,9 @@ class RankWriterSide:
             targets = write_targets(self.config.tp_size, self.tp_rank, engine_tp)
             return {t.d_rank: (t.local.count, t.remote.count) for t in targets}
         if self.role == "decode" and self.mode == "pull":
-            return {0: (1, 1)}
+            check_tp_sizes(engine_tp, self.config.tp_size)
+            reads = read_sources(self.config.tp_size, self.tp_rank, engine_tp)
+            return {r.p_rank: (r.local.count, r.remote.count) for r in reads}
         return {}
 
     def _start_handshake(self, effect: StartHandshake) -> None:

@@ -145,9 +145,13 @@ class PushTransport(Protocol):
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
-        """READ the remote rank's physical blocks into local ones, in every routed region
-        (pull mode, B-09); `notif` reaches the peer when the READ is done."""
+        """READ `remote_chunk` of the remote rank's physical blocks into `local_chunk` of
+        local ones, in every routed region (pull mode, B-09); `notif` reaches the peer when
+        the READ is done."""
         ...
 
     def poll(self, handle: TransferHandle) -> XferState: ...

@@ -16,6 +16,12 @@ A PP producer's stages each own a slice of the layers (member routing, R-P14), s
 hears from every stage: D expects `pp x max(1, P.tp / D.tp)` completions, vLLM's count.
 Ranks are numbered globally as `pp_rank * tp_size + tp_rank`. TP sizes where neither
 divides the other are refused.
+
+Pull mode (B-09) moves the same bytes the other way: D rank `d` READs from each P rank
+what that rank would have written into it (`read_sources`, the mirror of
+`write_targets`), and each P rank waits for one completion notif per D rank reading from
+it, `max(1, D.tp / P.tp)` (`reads_per_producer`, vLLM 0.33's count). Pull reads from a
+prefill engine without pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ from kvhandoff.protocol.errors import RemoteProtocolError
 
 __all__ = [
     "Chunk",
+    "ReadSource",
     "WriteTarget",
     "check_tp_sizes",
     "completions_expected",
     "global_rank",
+    "read_sources",
+    "reads_per_producer",
     "split_rank",
     "target_ranks",
     "write_targets",
@@ -68,6 +77,16 @@ class WriteTarget:
     `remote` of D's block."""
 
     d_rank: int
+    local: Chunk = WHOLE
+    remote: Chunk = WHOLE
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSource:
+    """One READ of a D rank in pull mode: from P rank `p_rank`, `remote` of P's block into
+    `local` of D's block."""
+
+    p_rank: int
     local: Chunk = WHOLE
     remote: Chunk = WHOLE
 
@@ -126,6 +145,26 @@ def writers_of(d_rank: int, d_tp: int, p_tp: int, p_pp: int) -> tuple[int, ...]:
     else:
         tps = (d_rank // (d_tp // p_tp),)
     return tuple(global_rank(pp, tp, p_tp) for pp in range(p_pp) for tp in tps)
+
+
+@lru_cache(maxsize=256)
+def read_sources(d_tp: int, d_tp_rank: int, p_tp: int) -> tuple[ReadSource, ...]:
+    """The P ranks D TP rank `d_tp_rank` READs from in pull mode, each with its chunks: for
+    every P rank that would write into it in push mode, the same chunk pair the other way
+    round (memoised like `write_targets`)."""
+    return tuple(
+        ReadSource(p_rank, local=target.remote, remote=target.local)
+        for p_rank in writers_of(d_tp_rank, d_tp, p_tp, 1)
+        for target in write_targets(p_tp, p_rank, d_tp)
+        if target.d_rank == d_tp_rank
+    )
+
+
+def reads_per_producer(p_tp: int, d_tp: int) -> int:
+    """Pull mode: the READs (and so completion notifs) one P rank waits for, one per D
+    rank that reads from it: `max(1, D.tp / P.tp)` (vLLM 0.33's count)."""
+    check_tp_sizes(p_tp, d_tp)
+    return max(1, d_tp // p_tp)
 
 
 def completions_expected(d_tp: int, p_tp: int, p_pp: int) -> int:

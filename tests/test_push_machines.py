@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import strategies as st
 
 from kvhandoff.machines.kv.effects import RankRegistration, ReplayPush, ReplayRegistration
@@ -231,11 +232,50 @@ def test_B09_pull_machines_model() -> None:
         context=st.fixed_dictionaries({"source": st.just(source), "block_ids": st.just((3, 4))}),
         max_examples=300,
     )
-    run_model_test(
+    run_model_test(  # D's TP 1, 2 or 4 against P's 1 or 2: one, two or four READs await
         PULL_P_LEASE,
-        context=st.fixed_dictionaries({"block_ids": st.just((1, 2))}),
-        max_examples=100,
+        context=st.fixed_dictionaries(
+            {"block_ids": st.just((1, 2)), "p_tp": st.sampled_from([1, 2])}
+        ),
+        payloads={
+            Completion: st.builds(
+                Completion,
+                sender=st.sampled_from(["d0", "d1", "d2"]),
+                tp_size=st.sampled_from([1, 2, 4]),
+            )
+        },
+        max_examples=300,
     )
+
+
+def test_B09_R_T03_a_pull_lease_ends_after_one_completion_per_reading_d_rank() -> None:
+    """vLLM 0.33's count: a P rank awaits max(1, D.tp / P.tp) completion notifs, one per
+    reading agent (a second from the same agent frees nothing); a D TP that does not
+    divide P's (or the other way round) is the peer's error and the lease keeps running."""
+    from kvhandoff.machines.kv.effects import ReportFinishedSending
+    from kvhandoff.machines.pull.p_lease import PULL_P_LEASE, PullLeaseCtx
+    from kvhandoff.protocol.errors import RemoteProtocolError
+
+    for p_tp, d_tp, awaited in ((1, 1, 1), (2, 2, 1), (2, 1, 1), (1, 2, 2), (2, 8, 4)):
+        bus = EventBus()
+        bus.register(PULL_P_LEASE)
+        bus.create(PULL_P_LEASE, PullLeaseCtx("p-1", (1, 2), p_tp=p_tp), 0.0)
+        freed = []
+        for n in range(awaited):
+            assert bus.get(PULL_P_LEASE, "p-1") is not None, (p_tp, d_tp, n)
+            if n:  # the previous reader again: counted, frees nothing
+                bus.dispatch(PULL_P_LEASE, "p-1", Completion(f"d{n - 1}", tp_size=d_tp), 0.0)
+            bus.dispatch(PULL_P_LEASE, "p-1", Completion(f"d{n}", tp_size=d_tp), 0.0)
+            freed += [e for _, e in bus.drain_outbox() if isinstance(e, ReportFinishedSending)]
+        assert freed == [ReportFinishedSending("p-1")], (p_tp, d_tp)
+        assert bus.get(PULL_P_LEASE, "p-1") is None
+        assert bus.metrics.get("pull.p.duplicate_completions", 0) == awaited - 1
+    bus = EventBus()
+    bus.register(PULL_P_LEASE)
+    bus.create(PULL_P_LEASE, PullLeaseCtx("p-2", (1,), p_tp=2), 0.0)
+    with pytest.raises(RemoteProtocolError, match="do not divide"):
+        bus.dispatch(PULL_P_LEASE, "p-2", Completion(tp_size=3), 0.0)
+    assert bus.has_tag(PULL_P_LEASE, "p-2", "heartbeat_extends"), "the lease keeps running"
 
 
 def test_B09_pull_read_timeout_releases_the_read_before_failing() -> None:

@@ -12,9 +12,16 @@ Topologies: P TP 2 -> D TP 2 (with and without the cluster key, which seals ever
 control notif between the processes, S-05), and a pipeline-parallel producer, P TP 1 x
 PP 2 -> D TP 2: each stage holds half the layers and registers as its own rank, D's
 `PUSH_REG` goes to both stages, each stage WRITEs one half of its heads into each D rank
-(R-T03, R-T04). Every head chunk of every layer of every block carries its own pattern,
+(R-T03, R-T04). P TP 2 -> D TP 1: both P ranks WRITE their heads into halves of D's one
+rank's blocks. Every head chunk of every layer of every block carries its own pattern,
 so D rank r must hold exactly the heads vLLM's rank mapping sends it, from every stage;
 D reports a request only after both of its ranks received it from every writer (R-T02).
+
+Pull mode (B-09) on the same processes: P's scheduler returns the pull params, D's ranks
+each READ from the P ranks whose heads they hold (TP 2 -> 2: one READ each; TP 1 -> 2:
+each D rank reads its half of P's blocks; TP 2 -> 1: D's rank reads both P ranks into
+halves of its blocks), and each P rank frees its lease once every D rank reading from it
+sent its completion notif.
 """
 
 from __future__ import annotations
@@ -82,6 +89,15 @@ class Engine:
     def command(self, line: str) -> None:
         assert self.scheduler.request(line, 30.0) == "OK", self.scheduler.stderr()
 
+    def finish(self, request_id: str, blocks: str) -> dict[str, Any]:
+        """P's `request_finished`: the params it returned for the decode leg."""
+        answer = self.scheduler.request(
+            f'FINISHED {request_id} {blocks} {{"do_remote_decode":true}}', 30.0
+        )
+        assert answer.startswith("OK "), (answer, self.scheduler.stderr())
+        params: dict[str, Any] = json.loads(answer[3:])
+        return params
+
     def step(self) -> PushConnectorOutput:
         """build_connector_meta -> every rank's step -> update_connector_output."""
         meta = self.scheduler.request("META", 30.0)
@@ -112,9 +128,9 @@ class Engine:
 
 @pytest.fixture
 def engines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
-    """P TP x PP and D TP, two ranks on each side, with or without the cluster key."""
-    (p_tp, p_pp, d_tp), keyed = request.param
-    common: dict[str, Any] = {"heartbeat_interval": 0.5}
+    """P TP x PP and D TP, with or without the cluster key, in push or pull mode."""
+    (p_tp, p_pp, d_tp), keyed, mode = request.param
+    common: dict[str, Any] = {"heartbeat_interval": 0.5, "mode": mode}
     if keyed:
         common["cluster_key"] = "topology-test-cluster-key-0123"
     p_config = {**common, "tp_size": p_tp, "pp_size": p_pp, "peer_tp": d_tp}
@@ -131,9 +147,15 @@ def engines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[En
 
 
 TOPOLOGIES = [
-    pytest.param(((2, 1, 2), False), id="P-tp2-D-tp2"),
-    pytest.param(((2, 1, 2), True), id="P-tp2-D-tp2-keyed"),
-    pytest.param(((1, 2, 2), False), id="P-pp2-D-tp2"),
+    pytest.param(((2, 1, 2), False, "push"), id="P-tp2-D-tp2"),
+    pytest.param(((2, 1, 2), True, "push"), id="P-tp2-D-tp2-keyed"),
+    pytest.param(((1, 2, 2), False, "push"), id="P-pp2-D-tp2"),
+    pytest.param(((2, 1, 1), False, "push"), id="P-tp2-D-tp1"),
+]
+PULL_TOPOLOGIES = [
+    pytest.param(((2, 1, 2), True, "pull"), id="pull-P-tp2-D-tp2-keyed"),
+    pytest.param(((1, 1, 2), False, "pull"), id="pull-P-tp1-D-tp2"),
+    pytest.param(((2, 1, 1), False, "pull"), id="pull-P-tp2-D-tp1"),
 ]
 
 
@@ -174,11 +196,25 @@ def test_R_T01_R_T02_R_T03_R_T04_S_05_scheduler_and_two_ranks_per_engine_in_six_
             if engine is d:
                 d.command(f"ALLOC {d_id} {d_blocks} {params}")
             else:
-                p.command(f'FINISHED {p_id} {p_blocks} {{"do_remote_decode":true}}')
+                p.finish(p_id, p_blocks)
             take(engine)
+    drive(p, d, blocks, p_ids, take, received, failed, sent)
 
+
+def drive(
+    p: Engine,
+    d: Engine,
+    blocks: dict[str, tuple[str, str]],
+    p_ids: dict[str, str],
+    take: Any,
+    received: set[str],
+    failed: dict[str, str],
+    sent: set[str],
+) -> None:
+    """Step both engines until every request was received and every lease freed, then
+    check D's bytes rank by rank and that nothing is left on either side."""
     deadline = time.monotonic() + DEADLINE_S
-    while len(received) + len(failed) < REQUESTS or len(sent) < REQUESTS:
+    while len(received) + len(failed) < len(blocks) or len(sent) < len(p_ids):
         assert time.monotonic() < deadline, (received, failed, sent, p.logs(), d.logs())
         take(d)
         take(p)
@@ -195,3 +231,41 @@ def test_R_T01_R_T02_R_T03_R_T04_S_05_scheduler_and_two_ranks_per_engine_in_six_
             assert stats["failed_transfers"] == 0 and stats["live"] == 0, stats
             if engine is d:  # (P may refuse a heartbeat for a lease it already freed)
                 assert stats["rejected_notifs"] == 0, stats
+
+
+@pytest.mark.parametrize("engines", PULL_TOPOLOGIES, indirect=True)
+def test_B09_R_T01_R_T02_R_T03_pull_with_two_ranks_on_a_side_in_separate_processes(
+    engines: tuple[Engine, Engine],
+) -> None:
+    p, d = engines
+    received: set[str] = set()
+    failed: dict[str, str] = {}
+    sent: set[str] = set()
+
+    def take(engine: Engine) -> None:
+        out = engine.step()
+        assert not received & out.finished_recving, "a receive is reported once"
+        assert not sent & out.finished_sending, "a lease is freed once"
+        received.update(out.finished_recving)
+        failed.update(out.failed_recving)
+        sent.update(out.finished_sending)
+
+    blocks: dict[str, tuple[str, str]] = {}
+    p_ids: dict[str, str] = {}
+    for i in range(REQUESTS):
+        client = f"cmpl-pull{i:02d}-0"
+        n = 1 + i % 4
+        p_blocks = ",".join(str(10 * i + k) for k in range(n))
+        d_blocks = ",".join(str(100 + 10 * i + k) for k in range(n))
+        assert p.on_ranks(f"FILL {client} {p_blocks}") == ["OK"] * len(p.ranks)
+        assert d.on_ranks(f"CLEAR {d_blocks}") == ["OK"] * len(d.ranks)
+        d_id, p_id = f"{client}-dddd{i:04d}", f"{client}-aaaa{i:04d}"
+        blocks[d_id] = (client, d_blocks)
+        p_ids[p_id] = p_blocks
+        params = p.finish(p_id, p_blocks)  # P first: its answer is D's leg (the proxy's relay)
+        assert params["transfer_mode"] == "pull" and params["remote_request_id"] == p_id
+        assert params["tp_size"] == p.tp, params
+        take(p)
+        d.command(f"ALLOC {d_id} {d_blocks} {json.dumps(params, separators=(',', ':'))}")
+        take(d)
+    drive(p, d, blocks, p_ids, take, received, failed, sent)

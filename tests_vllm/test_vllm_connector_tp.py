@@ -5,8 +5,10 @@ process with its own NIXL agent, vLLM's `KVOutputAggregator` counting the ranks.
 - Mixed TP (R-T03): P at TP=2 -> D at TP=1 (each P rank writes its head share into half of
   D's block; D's rank completes after both reported) and P at TP=1 -> D at TP=2 (P's rank
   splits each block and writes one WRITE per D rank).
-- Pull with two ranks per engine (B-09) is refused when the connector is built: pull
-  runs one worker rank per engine for now.
+- Pull with two ranks per engine (B-09): TP 2 -> 2, and the mixed sizes 2 -> 1 and 1 -> 2,
+  each D rank READing its head share from the P ranks that hold it (`read_sources`), each
+  P rank freeing its lease once every D rank reading from it sent its completion notif.
+  Pull with pipeline parallelism is refused when the connector is built.
 
 Each D rank's bytes are checked against what its P writers computed
 (`vllm_harness.block_values`); both schedulers end with every block free.
@@ -18,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from connector_engines import BLOCK, Engine, engines, transfer
+from connector_engines import BLOCK, Engine, engines, pull_transfer, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -59,14 +61,57 @@ def test_R_T03_p_tp1_into_d_tp2_through_the_connector(
     transfer(prefill, decode, _ids("p1d2"))
 
 
-def test_B_09_pull_with_two_ranks_per_engine_is_refused_when_the_connector_is_built(
+@pytest.fixture
+def pull_tp2(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    yield from engines(tiny_model_dir, 2, 2, mode="pull")
+
+
+@pytest.fixture
+def pull_p_tp2_d_tp1(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    yield from engines(tiny_model_dir, 2, 1, mode="pull")
+
+
+@pytest.fixture
+def pull_p_tp1_d_tp2(tiny_model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    yield from engines(tiny_model_dir, 1, 2, mode="pull")
+
+
+def test_B_09_R_T02_pull_with_two_ranks_per_engine_through_the_connector(
+    pull_tp2: tuple[Engine, Engine],
+) -> None:
+    """Each D rank READs its head share from the P rank that holds it; each P rank frees
+    its lease on its one completion notif, vLLM frees P's blocks once both ranks did."""
+    prefill, decode = pull_tp2
+    assert (len(prefill.workers), len(decode.workers)) == (2, 2)
+    pull_transfer(prefill, decode, _ids("pull22"))
+
+
+def test_B_09_R_T03_pull_p_tp2_into_d_tp1_through_the_connector(
+    pull_p_tp2_d_tp1: tuple[Engine, Engine],
+) -> None:
+    """D's one rank READs both P ranks' head shares into the halves of its blocks; each P
+    rank frees its lease on D's one completion notif."""
+    prefill, decode = pull_p_tp2_d_tp1
+    assert (len(prefill.workers), len(decode.workers)) == (2, 1)
+    pull_transfer(prefill, decode, _ids("pull21"))
+
+
+def test_B_09_R_T03_pull_p_tp1_into_d_tp2_through_the_connector(
+    pull_p_tp1_d_tp2: tuple[Engine, Engine],
+) -> None:
+    """Each D rank READs its half of P's one rank's blocks; P's rank frees its lease only
+    after both D ranks' completion notifs (vLLM 0.33's count, D.tp / P.tp)."""
+    prefill, decode = pull_p_tp1_d_tp2
+    assert (len(prefill.workers), len(decode.workers)) == (1, 2)
+    pull_transfer(prefill, decode, _ids("pull12"))
+
+
+def test_B_09_pull_with_pipeline_parallelism_is_refused_when_the_connector_is_built(
     tiny_model_dir: Path,
 ) -> None:
-    """Pull mode runs one worker rank per engine (not yet more): vLLM's Scheduler building
-    kvhandoff's scheduler-role connector at TP=2 with `transfer_mode: pull` fails at once,
-    naming the limit, before any worker or NIXL agent starts. (The D rank's READ is routed
-    to P's rank 0 only, and P's lease counts one completion per rank; both would have to
-    follow the TP mapping first.)"""
+    """Pull reads from one stage: vLLM's Scheduler building kvhandoff's scheduler-role
+    connector at PP=2 with `transfer_mode: pull` fails at once, naming the limit, before
+    any worker or NIXL agent starts (push mode routes a PP producer's stages, R-T04)."""
     from kvhandoff.protocol.errors import LocalProtocolError
 
     import vllm_harness
@@ -75,9 +120,9 @@ def test_B_09_pull_with_two_ranks_per_engine_is_refused_when_the_connector_is_bu
         tiny_model_dir,
         kv_connector="KVHandoffConnector",
         kv_connector_module_path="kvhandoff.integrations.vllm",
-        kv_role="kv_consumer",
+        kv_role="kv_producer",
         extra_config={"transfer_mode": "pull"},
     )
-    config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(LocalProtocolError, match="pull mode runs one worker rank per engine"):
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(LocalProtocolError, match="pull mode runs without pipeline parallelism"):
         vllm_harness.scheduler(config)

@@ -180,8 +180,19 @@ class IpcPushTransport:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
-        return self.inner.read_blocks(engine_id, rank, local_block_ids, remote_block_ids, notif)
+        return self.inner.read_blocks(
+            engine_id,
+            rank,
+            local_block_ids,
+            remote_block_ids,
+            notif,
+            local_chunk=local_chunk,
+            remote_chunk=remote_chunk,
+        )
 
     # -- connection ------------------------------------------------------------------------
 

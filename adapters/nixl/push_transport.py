@@ -385,9 +385,12 @@ class NixlPushTransport:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
         local, local_idx, data, remote_idx = self._indices(
-            engine_id, rank, local_block_ids, remote_block_ids, WHOLE, WHOLE
+            engine_id, rank, local_block_ids, remote_block_ids, local_chunk, remote_chunk
         )
         return self.agent.read(local, local_idx, data.prepped, remote_idx, notif)
 

@@ -149,6 +149,9 @@ class MemoryTransport:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> _Handle:
         raise LocalProtocolError("the probe runs push mode")
 

@@ -117,8 +117,11 @@ class PushScheduler:
                 f"decode-side pipeline parallelism (pp_size={self.config.pp_size}) is not"
                 " supported in push mode: completions are counted per consumer rank"
             )
-        if mode == "pull" and self.config.world_size > 1:
-            raise LocalProtocolError("pull mode runs one worker rank per engine")
+        if mode == "pull" and self.config.pp_size > 1:
+            raise LocalProtocolError(
+                f"pull mode runs without pipeline parallelism (pp_size={self.config.pp_size}):"
+                " D reads from, and P serves, one stage"
+            )
         self.world = self.config.world_size
         self.bus = bus or EventBus()
         machine_config = self.config.machine_config()

@@ -181,7 +181,9 @@ class PushWorker:
         for request_id, blocks in meta.push_finished_blocks.items():
             if self.mode == "pull":
                 if bus.get(PULL_P_LEASE, request_id) is None:
-                    ctx = PullLeaseCtx(request_id, blocks, lease_extension=extension)
+                    ctx = PullLeaseCtx(
+                        request_id, blocks, lease_extension=extension, p_tp=self.config.tp_size
+                    )
                     bus.create(PULL_P_LEASE, ctx, now)
             elif bus.get(P_LEASE, request_id) is None:
                 bus.create(P_LEASE, PLeaseCtx(request_id, blocks, lease_extension=extension), now)

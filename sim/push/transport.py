@@ -261,9 +261,19 @@ class SimPushTransport:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        *,
+        local_chunk: Chunk = WHOLE,
+        remote_chunk: Chunk = WHOLE,
     ) -> TransferHandle:
         return self._transfer(
-            "READ", engine_id, rank, local_block_ids, remote_block_ids, notif, WHOLE, WHOLE
+            "READ",
+            engine_id,
+            rank,
+            local_block_ids,
+            remote_block_ids,
+            notif,
+            local_chunk,
+            remote_chunk,
         )
 
     def _transfer(

@@ -11,13 +11,15 @@ with `@@ ` (NIXL may log to stdout).
 A rank prints `@@ READY <hex HandshakePayload>`, then answers:
   STEP <hex PushConnectorMeta>   -> `@@ <hex PushWorkerOutput>`
   FILL <client> <ids>            -> `@@ OK` (P: its layers and heads of the KV, patterned)
+The config JSON may name `"mode": "pull"` (B-09; default push) and `peer_tp`, the other
+engine's TP size.
   CLEAR <ids>                    -> `@@ OK`
   VERIFY <client> <ids>          -> `@@ OK` / `@@ BAD` (D: P's pattern of its heads, every byte)
   STATS                          -> `@@ <json counters>`
 A scheduler prints `@@ READY`, then answers:
   SERVE <hex payload> ...        -> `@@ <port>` (serves the ranks' `EngineHandshake`)
   ALLOC <id> <ids> <json params> -> `@@ OK` (D: update_state_after_alloc)
-  FINISHED <id> <ids> <json>     -> `@@ OK` (P: request_finished)
+  FINISHED <id> <ids> <json>     -> `@@ OK <json params>` (P: request_finished's params)
   META                           -> `@@ <hex PushConnectorMeta>`
   OUTPUTS <hex> ...              -> `@@ <hex PushConnectorOutput>`
   PENDING                        -> `@@ 1` / `@@ 0`
@@ -100,12 +102,16 @@ class RankMemory:
             for block in blocks:
                 self._part(i, block, 1, 0)[:] = 0
 
-    def verify(self, client: str, blocks: list[int], chunk: int) -> bool:
+    def verify(self, client: str, blocks: list[int], chunks: int, first: int) -> bool:
+        """Every byte as `fill(client, blocks, chunks, first)` on the writers would leave it
+        (D's block of `chunks` P ranks' head shares when P's TP is larger)."""
         for i, member in enumerate(self.members):
             for ordinal, block in enumerate(blocks):
-                part = self._part(i, block, 1, 0)
-                if not (part == _pattern(client, member, ordinal, chunk, part.nbytes)).all():
-                    return False
+                for k in range(chunks):
+                    part = self._part(i, block, chunks, k)
+                    want = _pattern(client, member, ordinal, first + k, part.nbytes)
+                    if not (part == want).all():
+                        return False
         return True
 
 
@@ -119,6 +125,7 @@ def rank_main(role: str, engine_id: str, rank: int, raw: dict[str, Any]) -> None
     from kvhandoff.protocol.tp_mapping import split_rank
 
     peer_tp = int(raw.pop("peer_tp", 1))
+    mode = raw.pop("mode", "push")
     config = PushConfig.from_mapping(raw)
     pp_rank, tp_rank = split_rank(rank, config.tp_size)
     members = [f"layers.{i}.{kv}" for i in range(LAYERS) for kv in ("k", "v")]
@@ -126,8 +133,8 @@ def rank_main(role: str, engine_id: str, rank: int, raw: dict[str, Any]) -> None
     memory = RankMemory(
         members[pp_rank * per_stage : (pp_rank + 1) * per_stage], BLOCK_LEN // config.tp_size
     )
-    # P rank t holds head chunks t*c .. t*c + c - 1 of D's finer split (c = D.tp / P.tp);
-    # D rank t holds head chunk t (D.tp >= P.tp here).
+    # The finer TP split's shares: P rank t holds head chunks t*c .. t*c + c - 1 of D's
+    # split when D's TP is larger (c = D.tp / P.tp), D rank t those of P's when P's is.
     chunks = max(1, peer_tp // config.tp_size)
     agent = NixlAgent(f"{engine_id}-r{rank}-{secrets.token_hex(4)}", config.nixl_backend)
     transport = NixlPushTransport(
@@ -150,6 +157,7 @@ def rank_main(role: str, engine_id: str, rank: int, raw: dict[str, Any]) -> None
         config=config,
         clock=real_clock,
         rank=rank,
+        mode=mode,
     )
     writer = PushWriterThread(side).start()
     say("READY " + encode_handshake(transport.handshake_payload()).hex())
@@ -165,7 +173,8 @@ def rank_main(role: str, engine_id: str, rank: int, raw: dict[str, Any]) -> None
             memory.clear(ids(args[0]))
             say("OK")
         elif cmd == "VERIFY":
-            say("OK" if memory.verify(args[0], ids(args[1]), tp_rank) else "BAD")
+            good = memory.verify(args[0], ids(args[1]), chunks, tp_rank * chunks)
+            say("OK" if good else "BAD")
         elif cmd == "STATS":
             stats = {
                 "rejected_notifs": side.rejected_notifs(),
@@ -200,6 +209,7 @@ def scheduler_main(role: str, engine_id: str, raw: dict[str, Any]) -> None:
     from kvhandoff.protocol.push_config import PushConfig
 
     raw.pop("peer_tp", None)
+    mode = raw.pop("mode", "push")
     config = PushConfig.from_mapping(raw)
     say("READY")
     server: SideChannelServer | None = None
@@ -214,7 +224,7 @@ def scheduler_main(role: str, engine_id: str, raw: dict[str, Any]) -> None:
             encoded = encode_engine_handshake(engine)
             server = SideChannelServer("127.0.0.1", 0, lambda served=encoded: served)
             local = LocalEngine(engine_id, "127.0.0.1", server.port)
-            scheduler = PushScheduler(role, local, config, now=real_clock())  # type: ignore[arg-type]
+            scheduler = PushScheduler(role, local, config, mode, now=real_clock())  # type: ignore[arg-type]
             say(str(server.port))
             continue
         assert scheduler is not None, "SERVE comes first"
@@ -223,8 +233,10 @@ def scheduler_main(role: str, engine_id: str, raw: dict[str, Any]) -> None:
             scheduler.update_state_after_alloc(args[0], ids(args[1]), json.loads(args[2]), now)
             say("OK")
         elif cmd == "FINISHED":
-            scheduler.request_finished(args[0], ids(args[1]), json.loads(args[2]), now)
-            say("OK")
+            _delay, params = scheduler.request_finished(
+                args[0], ids(args[1]), json.loads(args[2]), now
+            )
+            say("OK " + json.dumps(params or {}, separators=(",", ":")))
         elif cmd == "META":
             say(msgspec.msgpack.encode(scheduler.build_connector_meta(now)).hex())
         elif cmd == "OUTPUTS":
