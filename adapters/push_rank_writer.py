@@ -391,12 +391,21 @@ class RankWriterSide:
                     f" one stage of TP {source.prefill.tp_size}",
                     peer=engine,
                 )
+            lacking = len(effect.block_ids)
+            if lacking > len(source.block_ids):
+                raise RemoteProtocolError(
+                    f"{effect.request_id} lacks {lacking} blocks here, {source.request_id}"
+                    f" names {len(source.block_ids)} on {engine}",
+                    peer=engine,
+                )
+            # R-T05: D holds a cached prefix and reads only the tail of P's blocks it lacks.
+            remote_logical = source.block_ids[len(source.block_ids) - lacking :]
             local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
             pairs: list[tuple[int, list[int]]] = []
             sources = read_sources(self.config.tp_size, self.tp_rank, info.tp_size)
             for read in sources:
                 rank = info.ranks[read.p_rank]
-                remote = expand_to_physical(source.block_ids, rank.physical_blocks_per_logical)
+                remote = expand_to_physical(remote_logical, rank.physical_blocks_per_logical)
                 check_within_capacity(source.request_id, remote, rank.capacity, engine_id=engine)
                 if len(local) != len(remote):
                     raise RemoteProtocolError(

@@ -4,7 +4,8 @@ what happens when only some of them post.
 D at TP 1 reads from P at TP 2: both P ranks' head shares land in halves of D's blocks,
 one READ each. When the second READ fails to post after the first did, the receive fails,
 but only once the first READ ended: D's blocks are reused only after every READ into
-them is over. The transport is the in-memory stand-in (no bytes move; what is posted,
+them is over. A D that found part of the prefix cached reads only the tail of P's blocks
+it lacks (R-T05). The transport is the in-memory stand-in (no bytes move; what is posted,
 where, is the point here); the bytes are checked over real NIXL in
 `test_push_topology_processes.py` and under vLLM in `tests_vllm/test_vllm_connector_tp.py`.
 """
@@ -78,9 +79,11 @@ def _decode(refuse_rank: int | None) -> tuple[PushSide, _Reads]:
     return side, transport
 
 
-def _read(side: PushSide, request_id: str, blocks: list[int]) -> None:
+def _read(
+    side: PushSide, request_id: str, blocks: list[int], p_blocks: list[int] | None = None
+) -> None:
     prefill = PrefillCoordinates("P", "127.0.0.1", 5600, P_TP)
-    params = {"do_remote_prefill": True, **pull_params(prefill, "p-req-1", [7, 8])}
+    params = {"do_remote_prefill": True, **pull_params(prefill, "p-req-1", p_blocks or [7, 8])}
     side.update_state_after_alloc(request_id, blocks, params)
     side.step()
     side.writer_pass()
@@ -115,3 +118,23 @@ def test_B09_a_read_that_fails_to_post_beside_a_posted_one_fails_after_it_ended(
     out = side.step()
     assert out.failed_recving == {"d-req-2": "pull read failed"}, out
     assert out.invalid_block_ids == {5, 6}, "its blocks are load errors"
+
+
+def test_B09_R_T05_a_partial_prefix_hit_reads_only_the_tail_d_lacks() -> None:
+    """D found the first of three blocks cached: it passes vLLM only the two it lacks,
+    and reads them from the tail of P's three (as vLLM's pull connector does)."""
+    side, transport = _decode(refuse_rank=None)
+    _read(side, "d-req-3", [11, 12], p_blocks=[7, 8, 9])
+    assert [(r[0], r[1], r[2]) for r in transport.reads] == [
+        (0, (11, 12), (8, 9)),
+        (1, (11, 12), (8, 9)),
+    ]
+
+
+def test_B09_a_read_of_more_blocks_than_p_holds_fails_cleanly() -> None:
+    side, transport = _decode(refuse_rank=None)
+    _read(side, "d-req-4", [11, 12, 13], p_blocks=[7, 8])
+    assert transport.reads == [], "nothing posted"
+    out = side.step()
+    assert out.failed_recving == {"d-req-4": "pull read failed"}
+    assert out.invalid_block_ids == {11, 12, 13}
