@@ -148,3 +148,38 @@ def test_B_14_S_06_a_real_ranks_lease_expiry_and_refused_notifs_reach_its_totals
         sent |= side.step().finished_sending
     assert sent == {"cmpl-x-0-abcd1234"}  # a lease that expired ends as sent, for vLLM
     assert stats.rank_totals(rank)["lease_expiries"] == 1
+    assert stats.rank_fingerprint(rank) == (1, 2, 0), "lease expiries, main's and writer's refusals"
+
+
+def test_B_14_a_fingerprint_moves_whenever_a_total_does() -> None:
+    """vLLM asks for stats every step; the connector skips reading the totals while their
+    fingerprint stands still, so every total must move it: failures, stale reports,
+    watchdog expiries, the side channel's refusals (counted before `total` moves, so a
+    reader on another thread that sees the new total sees its cause too)."""
+    import logging
+
+    from kvhandoff.machines.runtime.rejections import RejectionLog
+
+    class SideChannel:
+        rejections = RejectionLog(logging.getLogger("test"))
+
+    side_channel = SideChannel()
+    sched = PushScheduler("decode", LocalEngine(D_ENGINE, "127.0.0.1", 5700))
+    seen = [stats.scheduler_fingerprint(sched, side_channel)]  # type: ignore[arg-type]
+
+    def moved() -> None:
+        now = stats.scheduler_fingerprint(sched, side_channel)  # type: ignore[arg-type]
+        assert now != seen[-1]
+        seen.append(now)
+
+    sched.failures["timeout"] += 1
+    moved()
+    sched.stale_reports += 1
+    moved()
+    sched.bus.metrics["push.d.watchdog_expired"] = 1.0
+    moved()
+    side_channel.rejections.reject("peer", "bad request: x", 0.0)
+    moved()
+    totals = stats.scheduler_totals(sched, side_channel)  # type: ignore[arg-type]
+    assert totals["rejected_inputs"] == {"bad request": 1}
+    assert stats.scheduler_fingerprint(sched, side_channel) == seen[-1]  # type: ignore[arg-type]

@@ -71,14 +71,15 @@ class RejectionLog:
 
     def reject(self, peer: str | None, error: RemoteProtocolError | str, now: float) -> None:
         """Count one rejected input from `peer` and log it unless this peer was logged
-        less than `interval` seconds ago or `max_lines` lines were logged this interval."""
-        self.total += 1
+        less than `interval` seconds ago or `max_lines` lines were logged this interval.
+        `total` moves last: a reader on another thread that sees it has seen the cause."""
         named = error.peer if isinstance(error, RemoteProtocolError) else None
         name = (peer or named or "<unknown peer>")[:128]
         cause = _reason(error)
         if cause not in self._causes and len(self._causes) >= self.max_reasons:
             cause = OTHER_CAUSES
         self._causes[cause] = self._causes.get(cause, 0) + 1
+        self.total += 1
         entry = self._peers.get(name)
         if entry is None:
             if len(self._peers) >= self.max_peers:

@@ -154,6 +154,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         # Running totals as of the last stats call, and this interval's finished transfers
         # as observations (counts, bytes, seconds: no request ids), until vLLM asks.
         self._stats_seen: dict[str, Any] = {}
+        self._stats_fingerprint: tuple[int, ...] = ()
         self._observed: stats.StatsData = {}
         self._block_bytes = stats.block_bytes(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
@@ -257,11 +258,21 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         lease expiries and the notifs it refused, by cause (S-06). vLLM adds the two up
         for its stat loggers."""
         if self.scheduler is None:
-            totals = {} if self.rank is None else stats.rank_totals(self.rank)
-            data = stats.delta(totals, self._stats_seen)
+            if self.rank is None:
+                return None
+            fingerprint = stats.rank_fingerprint(self.rank)
+            if fingerprint == self._stats_fingerprint:
+                return None  # no total moved since the last call
+            self._stats_fingerprint = fingerprint
+            data = stats.delta(stats.rank_totals(self.rank), self._stats_seen)
         else:
-            totals = stats.scheduler_totals(self.scheduler, self.side_channel)
-            data = stats.merge(stats.delta(totals, self._stats_seen), self._observed)
+            fingerprint = stats.scheduler_fingerprint(self.scheduler, self.side_channel)
+            if fingerprint == self._stats_fingerprint:
+                data = self._observed  # no total moved: only what finished meanwhile
+            else:
+                self._stats_fingerprint = fingerprint
+                totals = stats.scheduler_totals(self.scheduler, self.side_channel)
+                data = stats.merge(stats.delta(totals, self._stats_seen), self._observed)
             self._observed = {}
         return None if stats.is_empty(data) else KVHandoffConnectorStats(data=data)
 

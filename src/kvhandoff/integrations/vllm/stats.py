@@ -195,6 +195,32 @@ def scheduler_totals(scheduler: PushScheduler, side_channel: SideChannelServer |
     return totals
 
 
+def scheduler_fingerprint(
+    scheduler: PushScheduler, side_channel: SideChannelServer | None
+) -> tuple[int, ...]:
+    """What `scheduler_totals` counts, summed per source: every total only grows, so an
+    equal fingerprint means nothing moved and the interval is empty (vLLM asks every step;
+    this costs a few additions where the totals cost dicts and a regex per cause). Read it
+    before the totals: a rejection counted meanwhile then moves the next one."""
+    rejected = 0 if side_channel is None else side_channel.rejections.total
+    return (
+        sum(scheduler.failures.values()),
+        scheduler.stale_reports,
+        int(scheduler.bus.metrics.get("push.d.watchdog_expired", 0)),
+        rejected,
+    )
+
+
+def rank_fingerprint(rank: PushRank) -> tuple[int, ...]:
+    """`rank_totals`' fingerprint, as `scheduler_fingerprint`'s."""
+    metrics = rank.bus.metrics
+    return (
+        int(metrics.get("push.p.lease_expired", 0) + metrics.get("pull.p.lease_expired", 0)),
+        rank.worker.rejections.total,
+        rank.writer.rejections.total,
+    )
+
+
 def rank_totals(rank: PushRank) -> StatsData:
     """A worker rank's running totals: lease expiries (push and pull leases live on its
     main-thread bus) and refused notifs by cause (its main thread's and its writer's)."""
