@@ -228,7 +228,7 @@ class PushRank(RankWriterSide):
             cause = "post" if unposted else "transfer_error"
             outcome: Event = WriteError(failed, cause) if failed else WriteDone()
         else:
-            outcome = ReadError() if failed else ReadDone()
+            outcome = ReadError() if failed else ReadDone(self.wall_clock())
         self.worker.transfer_ended(effect.request_id, outcome)
 
     def _release_transfer(self, _inst: Instance[object] | None, effect: ReleaseTransfer) -> None:

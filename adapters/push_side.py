@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvhandoff.adapters.clock import real_clock
+from kvhandoff.adapters.clock import real_clock, wall_clock
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.adapters.push_rank_writer import HandshakeJob
 from kvhandoff.adapters.push_transport import PushTransport
@@ -67,13 +67,15 @@ class PushSide:
         trace: TraceConfig | None = None,
         wall: Clock | None = None,
     ) -> None:
-        """`wall`: the wall clock sealed notifs are stamped and checked with (S-05); the
-        system's by default (the simulator passes its virtual clock)."""
+        """`wall`: the wall clock sealed notifs are stamped and checked with (S-05), and a
+        pull lease's end is told in (B-09); the system's by default (the simulator passes
+        its virtual clock)."""
         self.role = role
         self.mode = mode
         self.engine = engine
         self.config = config or PushConfig()
         self.clock = clock
+        self.wall_clock = wall_clock if wall is None else wall
         listed = [transports] if not isinstance(transports, Sequence) else list(transports)
         if len(listed) != self.config.world_size:
             raise LocalProtocolError(
@@ -143,7 +145,12 @@ class PushSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         now = self.clock()
         return self.scheduler.request_finished(
-            request_id, block_ids, kv_transfer_params, now, finished_normally=finished_normally
+            request_id,
+            block_ids,
+            kv_transfer_params,
+            now,
+            finished_normally=finished_normally,
+            wall=self.wall_clock(),
         )
 
     def abort(self, request_id: str) -> None:

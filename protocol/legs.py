@@ -13,6 +13,7 @@ name it, and a stock vLLM P matches heartbeat ids exactly (a stock vLLM D requir
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,18 +147,32 @@ class PullSource:
     prefill: PrefillCoordinates
     request_id: str
     block_ids: tuple[int, ...]
+    lease_expires_at: float | None = None
+    """P's wall-clock time at which its lease may end at the earliest (a kvhandoff P names
+    it, `kv_lease_expires_at`; a stock vLLM P does not): a READ done after it, less the
+    clocks' skew, may have read blocks P freed, and fails."""
+
+
+LEASE_EXPIRES_KEY = "kv_lease_expires_at"
+"""kvhandoff's pull params key for `PullSource.lease_expires_at` (vLLM ignores it)."""
 
 
 def pull_params(
-    prefill: PrefillCoordinates, request_id: str, block_ids: list[int]
+    prefill: PrefillCoordinates,
+    request_id: str,
+    block_ids: list[int],
+    lease_expires_at: float | None = None,
 ) -> dict[str, Any]:
     """What P's request_finished returns in pull mode; the proxy puts it on the decode leg."""
-    return {
+    params = {
         **_coordinates(prefill),
         "remote_request_id": request_id,
         "remote_block_ids": [list(block_ids)],  # one list per KV cache group, as vLLM's
         "transfer_mode": "pull",
     }
+    if lease_expires_at is not None:
+        params[LEASE_EXPIRES_KEY] = lease_expires_at
+    return params
 
 
 def pull_source(params: Mapping[str, Any] | None, *, max_blocks: int = 65536) -> PullSource:
@@ -182,4 +197,12 @@ def pull_source(params: Mapping[str, Any] | None, *, max_blocks: int = 65536) ->
         or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids)
     ):
         raise RemoteProtocolError("pull decode leg has malformed remote_block_ids")
-    return PullSource(prefill, request_id, tuple(block_ids))
+    expires: Any = params.get(LEASE_EXPIRES_KEY)
+    if expires is not None and (
+        not isinstance(expires, int | float)
+        or isinstance(expires, bool)
+        or not math.isfinite(expires)
+    ):
+        raise RemoteProtocolError(f"pull decode leg has a malformed {LEASE_EXPIRES_KEY}")
+    lease = None if expires is None else float(expires)
+    return PullSource(prefill, request_id, tuple(block_ids), lease)

@@ -77,6 +77,9 @@ class PushConfig:
     may take, since a completion notif is sealed when its WRITE is posted. Sealing peers'
     wall clocks must agree within `sealed_notif_skew`."""
     sealed_notif_skew: float = 5.0
+    """How far peers' wall clocks may disagree: for sealed notifs, and in pull mode for the
+    lease deadline P puts on its params (a READ D sees done later than it, less this,
+    fails: P may have reused the blocks, B-09)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

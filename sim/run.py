@@ -54,17 +54,21 @@ class Protocol:
 # -- push ---------------------------------------------------------------------------------
 
 
-def _push_world(seed: int, options: SimulateOptions, *, record: bool) -> SimulatedPushWorld:
+def _push_world(
+    seed: int, options: SimulateOptions, *, record: bool, pull: bool = False
+) -> SimulatedPushWorld:
     from kvhandoff.sim.faults import SimFaults
     from kvhandoff.sim.push.settings import SimSettings
-    from kvhandoff.sim.push.variants import VARIANTS
-    from kvhandoff.sim.push.world import SimulatedPushWorld
+    from kvhandoff.sim.push.variants import PULL_VARIANTS, VARIANTS
+    from kvhandoff.sim.push.world import SimulatedPullWorld, SimulatedPushWorld
 
     faults = SimFaults.select(options.faults)
-    variant = VARIANTS[options.variant] if options.variant else None
+    variants = PULL_VARIANTS if pull else VARIANTS
+    variant = variants[options.variant] if options.variant else None
     settings = SimSettings(requests=options.requests)
     log_limit = None if record else 0
-    return SimulatedPushWorld(
+    world = SimulatedPullWorld if pull else SimulatedPushWorld
+    return world(
         seed, faults=faults, settings=settings, variant=variant, record=record, log_limit=log_limit
     )
 
@@ -80,10 +84,27 @@ def explain_push_seed(seed: int, options: SimulateOptions) -> list[str]:
     return minimal_log(list(world.log), result.violations)
 
 
+def run_pull_seed(seed: int, options: SimulateOptions) -> SimRunResult:
+    """Pull mode on the same world (B-09), with pull's own planted variants."""
+    return _push_world(seed, options, record=False, pull=True).run()
+
+
+def explain_pull_seed(seed: int, options: SimulateOptions) -> list[str]:
+    world = _push_world(seed, options, record=True, pull=True)
+    result = world.run()
+    return minimal_log(list(world.log), result.violations)
+
+
 def _push_variants() -> list[str]:
     from kvhandoff.sim.push.variants import VARIANTS
 
     return sorted(VARIANTS)
+
+
+def _pull_variants() -> list[str]:
+    from kvhandoff.sim.push.variants import PULL_VARIANTS
+
+    return sorted(PULL_VARIANTS)
 
 
 # -- encoder cache --------------------------------------------------------------------------
@@ -127,6 +148,7 @@ def _ec_variants() -> list[str]:
 PROTOCOLS: dict[str, Protocol] = {
     "push": Protocol("push", run_push_seed, explain_push_seed, _push_variants),
     "ec": Protocol("ec", run_ec_seed, explain_ec_seed, _ec_variants),
+    "pull": Protocol("pull", run_pull_seed, explain_pull_seed, _pull_variants),
 }
 
 
@@ -278,7 +300,7 @@ def replay_command(result: SimRunResult, options: SimulateOptions) -> str:
 
 
 def main_from_args(args: Any) -> int:
-    names = sorted(PROTOCOLS) if args.what == "all" else [args.what]
+    names = list(PROTOCOLS) if args.what == "all" else [args.what]
     options = SimulateOptions(
         requests=args.requests,
         faults=tuple(f for f in args.faults.split(",") if f) or ("none",),

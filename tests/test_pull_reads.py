@@ -5,7 +5,9 @@ D at TP 1 reads from P at TP 2: both P ranks' head shares land in halves of D's 
 one READ each. When the second READ fails to post after the first did, the receive fails,
 but only once the first READ ended: D's blocks are reused only after every READ into
 them is over. A D that found part of the prefix cached reads only the tail of P's blocks
-it lacks (R-T05). The transport is the in-memory stand-in (no bytes move; what is posted,
+it lacks (R-T05). A READ seen done after P's lease may have ended (the deadline a
+kvhandoff P puts on its params, less the clocks' skew) fails: P may have reused the
+blocks it read. The transport is the in-memory stand-in (no bytes move; what is posted,
 where, is the point here); the bytes are checked over real NIXL in
 `test_push_topology_processes.py` and under vLLM in `tests_vllm/test_vllm_connector_tp.py`.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import pytest
 
 from kvhandoff.adapters.nixl.errors import NixlTransferError
 from kvhandoff.adapters.push_side import PushSide
@@ -25,8 +29,9 @@ from kvhandoff.bench.probes.push_writer_pass import (
     _Handle,
     connect_deferred,
 )
-from kvhandoff.machines.push.scheduler import LocalEngine
-from kvhandoff.protocol.legs import PrefillCoordinates, pull_params
+from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
+from kvhandoff.protocol.errors import RemoteProtocolError
+from kvhandoff.protocol.legs import LEASE_EXPIRES_KEY, PrefillCoordinates, pull_params, pull_source
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 P_TP = 2
@@ -71,19 +76,31 @@ class _Reads(MemoryTransport):
         return handle.xfer_status
 
 
-def _decode(refuse_rank: int | None) -> tuple[PushSide, _Reads]:
+def _decode(refuse_rank: int | None, wall: list[float] | None = None) -> tuple[PushSide, _Reads]:
+    """D at TP 1 over the stand-in; `wall` is its wall clock (moved by the test)."""
+    clock = wall if wall is not None else [5000.0]
     transport = _Reads("D", D_AGENT, "P", P_AGENT, 1024, refuse_rank=refuse_rank)
     side = PushSide(
-        "decode", LocalEngine("D", "127.0.0.1", 5700), transport, lambda job: None, mode="pull"
+        "decode",
+        LocalEngine("D", "127.0.0.1", 5700),
+        transport,
+        lambda job: None,
+        mode="pull",
+        wall=lambda: clock[0],
     )
     return side, transport
 
 
 def _read(
-    side: PushSide, request_id: str, blocks: list[int], p_blocks: list[int] | None = None
+    side: PushSide,
+    request_id: str,
+    blocks: list[int],
+    p_blocks: list[int] | None = None,
+    lease_expires_at: float | None = None,
 ) -> None:
     prefill = PrefillCoordinates("P", "127.0.0.1", 5600, P_TP)
-    params = {"do_remote_prefill": True, **pull_params(prefill, "p-req-1", p_blocks or [7, 8])}
+    returned = pull_params(prefill, "p-req-1", p_blocks or [7, 8], lease_expires_at)
+    params = {"do_remote_prefill": True, **returned}
     side.update_state_after_alloc(request_id, blocks, params)
     side.step()
     side.writer_pass()
@@ -138,3 +155,53 @@ def test_B09_a_read_of_more_blocks_than_p_holds_fails_cleanly() -> None:
     out = side.step()
     assert out.failed_recving == {"d-req-4": "pull read failed"}
     assert out.invalid_block_ids == {11, 12, 13}
+
+
+def test_B09_a_read_seen_done_before_p_s_lease_deadline_is_received() -> None:
+    """P's params say when its lease may end at the earliest; a READ seen done before
+    that, less the clocks' skew (`sealed_notif_skew`, 5 s by default), is taken."""
+    wall = [5000.0]
+    side, transport = _decode(refuse_rank=None, wall=wall)
+    _read(side, "d-req-5", [3], p_blocks=[7], lease_expires_at=wall[0] + 30.0)
+    wall[0] += 24.0  # 29 s before P's deadline less 5 s of skew: in time
+    for read in transport.reads:
+        read[5].xfer_status = "DONE"
+    assert side.step().finished_recving == {"d-req-5"}
+
+
+def test_B09_a_read_seen_done_after_p_s_lease_may_have_ended_fails() -> None:
+    """P may have reaped the lease and reused the blocks by then: what the READ read is
+    not taken as received; the receive fails, its blocks load errors (recomputed)."""
+    wall = [5000.0]
+    side, transport = _decode(refuse_rank=None, wall=wall)
+    _read(side, "d-req-6", [3], p_blocks=[7], lease_expires_at=wall[0] + 30.0)
+    wall[0] += 26.0  # past P's deadline less the skew
+    for read in transport.reads:
+        read[5].xfer_status = "DONE"
+    out = side.step()
+    assert not out.finished_recving
+    assert out.failed_recving == {"d-req-6": "pull read done after P's lease may have ended"}
+    assert out.invalid_block_ids == {3}
+
+
+def test_B09_p_s_lease_deadline_travels_on_the_params_and_is_checked() -> None:
+    prefill = PrefillCoordinates("P", "127.0.0.1", 5600, 1)
+    params = {"do_remote_prefill": True, **pull_params(prefill, "p-1", [1], 1234.5)}
+    assert params[LEASE_EXPIRES_KEY] == 1234.5
+    assert pull_source(params).lease_expires_at == 1234.5
+    no_deadline = {"do_remote_prefill": True, **pull_params(prefill, "p-1", [1])}
+    assert LEASE_EXPIRES_KEY not in no_deadline, "as a stock vLLM P: no deadline, no check"
+    assert pull_source(no_deadline).lease_expires_at is None
+    for bad in ("soon", True, float("nan"), float("inf"), [1.0]):
+        with pytest.raises(RemoteProtocolError, match=LEASE_EXPIRES_KEY):
+            pull_source({**params, LEASE_EXPIRES_KEY: bad})
+
+
+def test_B09_p_names_its_lease_deadline_from_its_wall_clock() -> None:
+    """P's `request_finished` in pull mode: its wall clock now plus `kv_lease_duration`
+    (its ranks' leases start at the next step, so none ends earlier)."""
+    p = PushScheduler("prefill", LocalEngine("P", "127.0.0.1", 5600), mode="pull")
+    _delay, params = p.request_finished("p-2", [4], {"do_remote_decode": True}, 0.0, wall=100.0)
+    assert params is not None and params[LEASE_EXPIRES_KEY] == 100.0 + 30.0
+    _delay, params = p.request_finished("p-3", [], {"do_remote_decode": True}, 0.0, wall=100.0)
+    assert params is not None and LEASE_EXPIRES_KEY not in params, "no blocks, no lease"

@@ -222,14 +222,22 @@ def test_R_P05_B11_remote_engine_model() -> None:
 
 
 def test_B09_pull_machines_model() -> None:
+    from kvhandoff.machines.kv.events import ReadDone
     from kvhandoff.machines.pull.d_read import D_READ
     from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
     from kvhandoff.protocol.legs import PrefillCoordinates, PullSource
 
     source = PullSource(PrefillCoordinates("P", "127.0.0.1", 5500, 1), "p-1", (1, 2))
-    run_model_test(
+    run_model_test(  # a READ seen done before or after P's lease deadline (or none named)
         D_READ,
-        context=st.fixed_dictionaries({"source": st.just(source), "block_ids": st.just((3, 4))}),
+        context=st.fixed_dictionaries(
+            {
+                "source": st.just(source),
+                "block_ids": st.just((3, 4)),
+                "lease_deadline": st.sampled_from([100.0, None]),
+            }
+        ),
+        payloads={ReadDone: st.builds(ReadDone, wall=st.sampled_from([150.0, 50.0, None]))},
         max_examples=300,
     )
     run_model_test(  # D's TP 1, 2 or 4 against P's 1 or 2: one, two or four READs await

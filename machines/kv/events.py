@@ -221,7 +221,9 @@ class WriteError(Event):
 
 @dataclass(frozen=True, slots=True)
 class ReadDone(Event):
-    """The READ completed."""
+    """The READ completed, seen at `wall` (D's wall clock; None: not told)."""
+
+    wall: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

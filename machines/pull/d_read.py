@@ -11,7 +11,10 @@ remote-engine machine, the writer thread, leases and heartbeats.
   READ was posted (completion notif `<P request id>:<tp_size>` rides on it, so P frees
   its lease) or failed to post. A posted READ is reported to the scheduler, whose
   watchdog then stops: the READ runs to its end under its own timeout. get_finished polls
-  it: done reports the receive; an error marks the blocks invalid.
+  it: done reports the receive; an error marks the blocks invalid. A READ seen done after
+  P's lease may have ended (the deadline a kvhandoff P puts on its params, less the
+  clocks' skew) may have read blocks P freed and reused: it fails like an error, so D
+  never takes such bytes as received.
 - The scheduler ends a read it gave up on (`End`): one not posted yet is revoked (the
   writer answers `Revoked` and will not post it); a posted READ runs to its end first. The
   rank then reports it dropped, so the engine reuses the blocks only after every READ
@@ -61,6 +64,8 @@ class DReadCtx:
     key: str
     source: PullSource
     block_ids: tuple[int, ...]
+    lease_deadline: float | None = None
+    """D's wall-clock time after which P's lease may have ended (None: P did not say)."""
     ending: bool = False
     """The scheduler ended it while its READ was in flight: report it dropped."""
 
@@ -93,6 +98,16 @@ def dropped(
     ctx: DReadCtx, event: End | Revoked | HandshakeFailed | ReadSubmitFailed
 ) -> list[Effect]:
     return [ReportEnded(ctx.key)]
+
+
+def within_lease(ctx: DReadCtx, event: ReadDone) -> bool:
+    """Seen done while P's lease certainly held the blocks (or P named no deadline)."""
+    deadline = ctx.lease_deadline
+    return deadline is None or event.wall is None or event.wall <= deadline
+
+
+def past_lease(ctx: DReadCtx, event: ReadDone) -> list[Effect]:
+    return _failed(ctx, "pull read done after P's lease may have ended", "timeout")
 
 
 def finish_recv(ctx: DReadCtx, event: ReadDone) -> list[Effect]:
@@ -158,7 +173,14 @@ D_READ: Declaration[DReadCtx] = Declaration(
         {"trigger": ReadSubmitFailed, "source": "queued", "dest": "failed", "after": "fail_recv"},
         {"trigger": Poll, "source": "posted", "dest": "reading", "after": "poll"},
         {"trigger": Poll, "source": "reading", "dest": None, "after": "poll"},
-        {"trigger": ReadDone, "source": "reading", "dest": "received", "after": "finish_recv"},
+        {
+            "trigger": ReadDone,
+            "source": "reading",
+            "dest": "received",
+            "conditions": "within_lease",
+            "after": "finish_recv",
+        },
+        {"trigger": ReadDone, "source": "reading", "dest": "failed", "after": "past_lease"},
         {"trigger": ReadError, "source": "reading", "dest": "failed", "after": "fail_recv"},
         {"trigger": End, "source": "new", "dest": "ended", "after": "dropped"},
         {
@@ -201,6 +223,8 @@ D_READ: Declaration[DReadCtx] = Declaration(
         "mark_ending": mark_ending,
         "revoke": revoke,
         "dropped": dropped,
+        "within_lease": within_lease,
+        "past_lease": past_lease,
         "finish_recv": finish_recv,
         "fail_recv": fail_recv,
         "abandon_read": abandon_read,

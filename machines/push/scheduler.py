@@ -254,13 +254,16 @@ class PushScheduler:
         now: float,
         *,
         finished_normally: bool = True,
+        wall: float | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """P: hold the blocks for the push; True delays freeing them (R-P03).
 
         Only a request that finished normally (stopped or length-capped) and holds
         blocks is leased; an aborted or errored one is freed at once (vLLM 0.33). One that
         finished normally without blocks leases nothing but still hands D its decode-leg
-        params, `(False, params)`, as vLLM 0.33's push connector does."""
+        params, `(False, params)`, as vLLM 0.33's push connector does. In pull mode,
+        `wall` (this engine's wall-clock time now) puts the earliest end of the lease on
+        the params, so D can refuse a READ that may have outlived it (B-09)."""
         self._require("prefill", "request_finished")
         if not kv_transfer_params or not kv_transfer_params.get("do_remote_decode"):
             return False, None
@@ -273,7 +276,9 @@ class PushScheduler:
             self._to_drain.append(request_id)
         delay = bool(blocks)
         if self.mode == "pull":
-            return delay, pull_params(self._here_pull, request_id, list(blocks))
+            # The ranks' leases start at the next step: none ends before this.
+            expires = None if wall is None or not blocks else wall + self.config.kv_lease_duration
+            return delay, pull_params(self._here_pull, request_id, list(blocks), expires)
         return delay, push_decode_params(self._here_push, blocks, request_id)
 
     # -- every step --------------------------------------------------------------------

@@ -172,7 +172,12 @@ class PushWorker:
         reads: list[str] = []
         for request_id, read in meta.pull_reads.items():
             if bus.get(D_READ, request_id) is None:
-                bus.create(D_READ, DReadCtx(request_id, read.source, read.block_ids), now)
+                expires = read.source.lease_expires_at
+                deadline = None if expires is None else expires - self.config.sealed_notif_skew
+                read_ctx = DReadCtx(
+                    request_id, read.source, read.block_ids, lease_deadline=deadline
+                )
+                bus.create(D_READ, read_ctx, now)
                 reads.append(request_id)
         if reads:
             bus.dispatch_many(D_READ, reads, _ENQUEUED, now)
@@ -181,10 +186,10 @@ class PushWorker:
         for request_id, blocks in meta.push_finished_blocks.items():
             if self.mode == "pull":
                 if bus.get(PULL_P_LEASE, request_id) is None:
-                    ctx = PullLeaseCtx(
+                    lease_ctx = PullLeaseCtx(
                         request_id, blocks, lease_extension=extension, p_tp=self.config.tp_size
                     )
-                    bus.create(PULL_P_LEASE, ctx, now)
+                    bus.create(PULL_P_LEASE, lease_ctx, now)
             elif bus.get(P_LEASE, request_id) is None:
                 bus.create(P_LEASE, PLeaseCtx(request_id, blocks, lease_extension=extension), now)
                 staged.append(request_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import ClassVar
 
+from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
 from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.p_request import P_REQUEST
 from kvhandoff.protocol.auth import is_sealed, peek_sealed
@@ -52,6 +53,8 @@ class RunChecks:
             "live_push.p_request",
             "live_push.d_registration",
             "live_push.p_lease",
+            "live_pull.d_read",
+            "live_pull.p_lease",
             "engine_requests",
         }
     )
@@ -94,6 +97,7 @@ class RunChecks:
                 if count:
                     counters[f"{engine.role}.{cause}"] = count
         counters["late_writes"] = self.ledger.late_writes
+        counters["stale_reads"] = self.ledger.stale_reads
         counters["retries"] = self.ledger.retries
         return counters
 
@@ -179,6 +183,75 @@ class RunChecks:
             ledger.violation(
                 f"WRITE for {d_id!r} landed in D block {block}, which D holds for {holder!r}"
             )
+            break
+        if late:
+            ledger.late_writes += 1
+
+    # -- pull mode (B-09): D READs from P ------------------------------------------------------
+
+    def read_posted(self, transfer: SimTransfer) -> None:
+        """A READ goes from the P blocks of the same attempt (the tail D lacks) into exactly
+        the blocks D holds for it and lacks. One posted after P's lease ended (D cannot
+        know; P may have reused the blocks) is counted in `stale_reads`: what it reads
+        must never be taken as received (the pattern check of every receive says so)."""
+        ledger = self.ledger
+        prefill, decode = self.prefill, self.decode
+        if transfer.src_engine != decode.engine_id or transfer.dst_engine != prefill.engine_id:
+            ledger.violation(f"READ by {transfer.src_engine} from {transfer.dst_engine}")
+            return
+        try:
+            p_id = decode_completion_notif(unsealed(transfer.notif)).request_id
+        except KvHandoffError as exc:
+            ledger.violation(f"READ with a bad completion notif: {exc}")
+            return
+        record = ledger.of(p_id)
+        if record is None or record.p_id != p_id or record.d_id is None:
+            ledger.violation(f"READ names P request {p_id!r}, which no D request was sent")
+            return
+        d_id = record.d_id
+        held = prefill.requests.get(p_id)
+        rank = next(
+            (r for r in prefill.side.ranks if r.transport.agent_name == transfer.dst_agent), None
+        )
+        if held is None or rank is None or rank.bus.get(PULL_P_LEASE, p_id) is None:
+            ledger.stale_reads += 1
+            return
+        lacking = record.d_blocks[record.cached :]
+        source = physical_ids(prefill.transports[0], held.blocks[len(held.blocks) - len(lacking) :])
+        if tuple(source) != transfer.remote_ids:
+            ledger.violation(
+                f"READ for {d_id!r} reads P blocks {transfer.remote_ids}, not {source}"
+            )
+        target = physical_ids(decode.transports[0], lacking)
+        if tuple(target) != transfer.local_ids:
+            ledger.violation(f"READ for {d_id!r} into {transfer.local_ids}, D lacks {target}")
+        ratio = self.settings.ratio
+        if any(decode.pool.owner.get(b // ratio) != d_id for b in transfer.local_ids):
+            ledger.violation(f"READ for {d_id!r} into D blocks it does not hold")
+
+    def read_landed(self, transfer: SimTransfer) -> None:
+        """The bytes land: D still holds the target for the request (else it is late, and
+        harmless only in blocks D holds for no one else). Bytes read from P blocks P no
+        longer holds for the request count in `stale_reads`."""
+        ledger = self.ledger
+        ratio = self.settings.ratio
+        try:
+            p_id = decode_completion_notif(unsealed(transfer.notif)).request_id
+        except KvHandoffError:
+            return  # already reported when posted
+        record = ledger.of(p_id)
+        d_id = record.d_id if record is not None else None
+        if any(self.prefill.pool.owner.get(b // ratio) != p_id for b in transfer.remote_ids):
+            ledger.stale_reads += 1
+        late = False
+        for block in transfer.local_ids:
+            holder = self.decode.pool.held_by(block // ratio)
+            if holder == d_id and self.decode.pool.owner.get(block // ratio) == d_id:
+                continue
+            if holder is None or holder == d_id:
+                late = True
+                continue
+            ledger.violation(f"READ for {d_id!r} landed in D block {block}, held for {holder!r}")
             break
         if late:
             ledger.late_writes += 1

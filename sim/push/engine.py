@@ -58,6 +58,8 @@ class Arrival:
     num_blocks: int
     cached: int
     at: float
+    params: dict[str, Any] | None = None
+    """Pull mode's decode leg: the params P's `request_finished` returned (the proxy's relay)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,7 @@ class SimEngine:
             clock=world.clock,
             physical_blocks_per_logical=world.settings.ratio,
             wall=world.clock,
+            mode=world.mode,
         )
         world.network.serve(
             self.engine_id,
@@ -186,6 +189,8 @@ class SimEngine:
             world.ledger.lost(held.key, self.role)
         for arrival in self.arrivals:
             world.ledger.lost(arrival.key, self.role)
+            if world.mode == "pull" and self.role == "prefill":
+                world.ledger.lost(arrival.key, "decode")  # its decode leg is never sent
         self.requests.clear()
         self.arrivals.clear()
         self.alive = False
@@ -356,21 +361,26 @@ class SimEngine:
             fill_pattern(transport, arrival.client_id, blocks)
         self.world.ledger.leased(arrival.key, request_id)
         leg = prefill_leg({"request_id": arrival.client_id})
-        self.side.request_finished(request_id, blocks, leg["kv_transfer_params"])
+        _delay, params = self.side.request_finished(request_id, blocks, leg["kv_transfer_params"])
+        if self.world.mode == "pull":
+            self.world.relay_decode_leg(arrival, params)
 
     def _register(self, arrival: Arrival, request_id: str, blocks: list[int]) -> None:
         cached, lacking = blocks[: arrival.cached], blocks[arrival.cached :]
         for transport in self.transports:
             fill_pattern(transport, arrival.client_id, cached)  # a prefix cache hit (R-T05)
             fill_constant(transport, lacking, 0)
-        prefill = self.world.prefill
-        topo = self.world.topology
-        coords = PrefillCoordinates(
-            prefill.engine_id, prefill.host, prefill.port, topo.p_tp, topo.p_pp
-        )
-        leg = decode_leg({"request_id": arrival.client_id}, coords)
+        if arrival.params is not None:  # pull: the leg carries what P returned
+            params = arrival.params
+        else:
+            prefill = self.world.prefill
+            topo = self.world.topology
+            coords = PrefillCoordinates(
+                prefill.engine_id, prefill.host, prefill.port, topo.p_tp, topo.p_pp
+            )
+            params = decode_leg({"request_id": arrival.client_id}, coords)["kv_transfer_params"]
         self.world.ledger.registered(arrival.key, request_id, tuple(blocks))
-        self.side.update_state_after_alloc(request_id, lacking, leg["kv_transfer_params"])
+        self.side.update_state_after_alloc(request_id, lacking, params)
 
     def abort(self, request_id: str) -> None:
         """D's engine aborts a request (the client went away): the abort path. What the

@@ -109,6 +109,8 @@ class SimObserver(Protocol):
     def write_posted(self, transfer: SimTransfer) -> None: ...
 
     def write_landed(self, transfer: SimTransfer) -> None: ...
+    def read_posted(self, transfer: SimTransfer) -> None: ...
+    def read_landed(self, transfer: SimTransfer) -> None: ...
 
 
 # -- the network -------------------------------------------------------------------------
@@ -271,6 +273,8 @@ class SimNetwork:
         if self.observer is not None and what == "WRITE":
             for write in transfer.members or (transfer,):
                 self.observer.write_posted(write)
+        elif self.observer is not None:
+            self.observer.read_posted(transfer)
         self._enqueue(
             SimMessage(
                 next(self._seq),
@@ -402,6 +406,8 @@ class SimNetwork:
         if self.observer is not None and transfer.op == "WRITE":
             for write in transfer.members or (transfer,):
                 self.observer.write_landed(write)
+        elif self.observer is not None:
+            self.observer.read_landed(transfer)
         if transfer.notif:
             self._enqueue(
                 SimMessage(

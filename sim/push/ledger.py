@@ -65,6 +65,7 @@ class SimLedger:
         self.by_id: dict[str, ClientRecord] = {}  # by exact P or D request id
         self.violations: list[str] = []
         self.late_writes = 0
+        self.stale_reads = 0  # pull: READs posted or landed after P's lease ended
         self.retries = 0
         self.now = 0.0
         # (P agent, D request id, D rank) -> PUSH_REG deliveries to that agent

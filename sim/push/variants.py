@@ -1,4 +1,5 @@
-"""Deliberately broken variants of push mode, for the simulator's self-check (simulation only).
+"""Deliberately broken variants of push and pull mode, for the simulator's self-check
+(simulation only).
 
 Each variant breaks one promise inside one simulated engine, right after it boots, without
 touching any shared declaration: it patches the engine's own compiled tables or objects.
@@ -14,6 +15,12 @@ A simulator that stops catching these has stopped finding bugs;
   (R-T04).
 - `tombstone-swallows-retry`: P's tombstone drops any `PUSH_REG` of a base id it served,
   so a retry under the same id is swallowed.
+
+Pull mode's (`PULL_VARIANTS`, `kvhandoff simulate pull --variant ...`):
+
+- `read-past-lease`: D takes a READ seen done after P's lease may have ended (B-09).
+- `lease-freed-on-first-read`: a P rank frees its lease on the first completion notif,
+  whatever D's TP (R-T03).
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ import msgspec
 
 from kvhandoff.machines.kv.effects import RankRegistration, ReplayPush, RevokeLease
 from kvhandoff.machines.kv.events import Revoked
+from kvhandoff.machines.pull import d_read
+from kvhandoff.machines.pull import p_lease as pull_lease
+from kvhandoff.machines.pull.d_read import D_READ
+from kvhandoff.machines.pull.p_lease import PULL_P_LEASE
 from kvhandoff.machines.push import d_registration, match, p_lease
 from kvhandoff.machines.push.d_registration import D_REGISTRATION, DRegistrationCtx, Notified
 from kvhandoff.machines.push.match import MATCH, MatchCtx, RegArrived
@@ -163,4 +174,24 @@ VARIANTS: dict[str, Variant] = {
     "completion-from-any-agent": completion_from_any_agent,
     "first-stage-completes": first_stage_completes,
     "tombstone-swallows-retry": tombstone_swallows_retry,
+}
+
+
+def read_past_lease(engine: SimEngine) -> None:
+    if engine.role != "decode":
+        return
+    for rank in engine.side.ranks:
+        _patch_guard(rank.bus, D_READ, d_read.within_lease, lambda ctx, event: True)
+
+
+def lease_freed_on_first_read(engine: SimEngine) -> None:
+    if engine.role != "prefill":
+        return
+    for rank in engine.side.ranks:
+        _patch_guard(rank.bus, PULL_P_LEASE, pull_lease.last_read, lambda ctx, event: True)
+
+
+PULL_VARIANTS: dict[str, Variant] = {
+    "read-past-lease": read_past_lease,
+    "lease-freed-on-first-read": lease_freed_on_first_read,
 }

@@ -26,6 +26,7 @@ import random
 from typing import ClassVar, Unpack
 
 from kvhandoff.machines.push.d_request import D_REQUEST
+from kvhandoff.machines.push.scheduler import Mode
 from kvhandoff.protocol.handshake import compatibility_hash
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.sim.contracts import Choices, WorldOptions
@@ -46,6 +47,7 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
     the checks from `RunChecks`."""
 
     protocol: ClassVar[str] = "push"
+    mode: ClassVar[Mode] = "push"  # the engines' transfer mode (`SimulatedPullWorld`: pull)
     roles: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     restart_order: ClassVar[tuple[str, ...]] = roles
     # Multi-rank worlds take about twice the actions of a single-rank one per request;
@@ -63,7 +65,7 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
     ) -> None:
         super().__init__(seed, **options)
         settings = self.settings
-        drawn = self.rng.choice(settings.topologies)
+        drawn = self.rng.choice(self.topologies(settings))
         self.topology = topology if topology is not None else drawn
         lucky = self.rng.random() < settings.keyed
         self.keyed = keyed if keyed is not None else lucky
@@ -84,6 +86,10 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
 
     def default_settings(self) -> SimSettings:
         return SimSettings()
+
+    def topologies(self, settings: SimSettings) -> tuple[Topology, ...]:
+        """What a seed draws its topology from."""
+        return settings.topologies
 
     def config_of(self, role: str) -> PushConfig:
         return self.settings.config(self.topology, role, keyed=self.keyed)
@@ -117,15 +123,37 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
         record = self.ledger.add(client_id, blocks, cached=cached, probe=probe)
         spread = 0.0 if probe else self.settings.leg_spread_s
         now = self.clock.now
-        for engine in self.engines:
+        # Pull: the proxy sends the decode leg once P answered (`relay_decode_leg`).
+        for engine in self.engines if self.mode == "push" else (self.prefill,):
             if engine.alive:
                 at = now + self.rng.random() * spread
                 engine.arrivals.append(Arrival(record.key, client_id, blocks, cached, at))
                 engine.dirty = True
             else:
                 self.ledger.lost(record.key, engine.role)
+                if self.mode == "pull":
+                    self.ledger.lost(record.key, "decode")  # no answer to relay
         self.note(f"issue {record.key} blocks={blocks} cached={cached}")
         return record.key
+
+    def relay_decode_leg(self, arrival: Arrival, params: dict[str, object] | None) -> None:
+        """Pull mode: P answered the prefill leg; the proxy sends the decode leg with P's
+        params (its coordinates, request id and blocks) to D, arriving a little later."""
+        decode = self.decode
+        if params is None or not decode.alive:
+            self.ledger.lost(arrival.key, "decode")
+            return
+        at = self.clock.now + self.rng.random() * self.settings.leg_spread_s
+        leg = Arrival(
+            arrival.key,
+            arrival.client_id,
+            arrival.num_blocks,
+            arrival.cached,
+            at,
+            {"do_remote_prefill": True, **params},
+        )
+        decode.arrivals.append(leg)
+        decode.dirty = True
 
     def failed(self, key: str) -> None:
         """D failed an attempt cleanly: the proxy may retry it under the same id, once no
@@ -308,3 +336,18 @@ class SimulatedPushWorld(RunChecks, SeededWorld[SimSettings, ClientRecord, Varia
         super().settle()
         for engine in self.engines:
             engine.pool.expire_quarantine(float("inf"))
+
+
+class SimulatedPullWorld(SimulatedPushWorld):
+    """The same world in pull mode (B-09): P answers each prefill leg with its params, the
+    proxy relays them on the decode leg, each D rank READs what it lacks from the P ranks
+    holding its heads, and each P rank frees its lease on the completion notifs of the D
+    ranks reading from it (or at expiry). Pull reads from one pipeline stage: a seed draws
+    its topology among those without PP. The fabric reports every READ posted and landed
+    to the same ledger (`RunChecks.read_posted`, `read_landed`)."""
+
+    protocol: ClassVar[str] = "pull"
+    mode: ClassVar[Mode] = "pull"
+
+    def topologies(self, settings: SimSettings) -> tuple[Topology, ...]:
+        return tuple(t for t in settings.topologies if t.p_pp == 1)

@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser(
         "simulate", help="seeded fault schedules over the in-memory planes (deterministic)"
     )
-    simulate.add_argument("what", nargs="?", default="all", choices=["push", "ec", "all"])
+    simulate.add_argument("what", nargs="?", default="all", choices=["push", "pull", "ec", "all"])
     simulate.add_argument("--seeds", type=int, default=200, help="runs per protocol")
     simulate.add_argument("--first-seed", type=int, default=0)
     simulate.add_argument("--requests", type=int, default=16, help="client requests per run")

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvhandoff.adapters.clock import real_clock
+from kvhandoff.adapters.clock import real_clock, wall_clock
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.integrations.vllm import stats
 from kvhandoff.integrations.vllm.metrics import KVHandoffPromMetrics
@@ -218,6 +218,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params,
             self.clock(),
             finished_normally=normally,
+            wall=wall_clock(),
         )
 
     def request_finished_all_groups(
