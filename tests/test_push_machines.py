@@ -98,6 +98,25 @@ def test_R_T02_R_P10_d_request_model() -> None:
     coverage.assert_complete()
 
 
+def test_R_T02_R_P10_a_rank_s_late_ended_answer_after_every_rank_let_go_is_ignored() -> None:
+    """Found by `kvhandoff simulate pull` (seed 871): the watchdog drops a request; one
+    rank fails its receive and, no longer holding it, answers the next step's `ended` with
+    `RankEnded`; the other rank's `RankEnded` comes in the same outputs, every rank has let
+    go (`expired`), and the first rank's answer must change nothing, not raise from the
+    engine's step."""
+    from kvhandoff.machines.kv.events import WatchdogExpired
+
+    bus = EventBus()
+    machine = bus.register(D_REQUEST)
+    bus.create(D_REQUEST, D_REQUEST.new_context("d-1", {"block_ids": (1, 2), "ranks": 2}), 0.0)
+    for event in (Drained(), WatchdogExpired(), RankRecvFailed(1, "handshake"), RankEnded(0)):
+        bus.dispatch(D_REQUEST, "d-1", event, 0.0)
+    assert bus.has_tag(D_REQUEST, "d-1", "given_up")
+    ignored = machine.ignored_count
+    bus.dispatch(D_REQUEST, "d-1", RankEnded(1), 0.0)
+    assert bus.has_tag(D_REQUEST, "d-1", "given_up") and machine.ignored_count == ignored + 1
+
+
 def test_R_T02_R_P03_p_request_model() -> None:
     run_model_test(
         P_REQUEST,
