@@ -30,8 +30,9 @@ from kvhandoff.bench.probes.push_writer_pass import (
     connect_deferred,
 )
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
-from kvhandoff.protocol.errors import RemoteProtocolError
+from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.legs import LEASE_EXPIRES_KEY, PrefillCoordinates, pull_params, pull_source
+from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 P_TP = 2
@@ -205,3 +206,12 @@ def test_B09_p_names_its_lease_deadline_from_its_wall_clock() -> None:
     assert params is not None and params[LEASE_EXPIRES_KEY] == 100.0 + 30.0
     _delay, params = p.request_finished("p-3", [], {"do_remote_decode": True}, 0.0, wall=100.0)
     assert params is not None and LEASE_EXPIRES_KEY not in params, "no blocks, no lease"
+
+
+def test_B09_pull_refuses_a_lease_no_longer_than_the_clocks_skew() -> None:
+    """D takes a READ only if it is done within P's lease less the clocks' skew: a lease
+    of 5 s against 5 s of skew would fail every READ, so the scheduler says so when built."""
+    config = PushConfig(kv_lease_duration=5.0, sealed_notif_skew=5.0)
+    with pytest.raises(LocalProtocolError, match="kv_lease_duration"):
+        PushScheduler("decode", LocalEngine("D", "127.0.0.1", 5700), config, "pull")
+    PushScheduler("decode", LocalEngine("D", "127.0.0.1", 5700), config, "push")  # push: fine

@@ -43,6 +43,8 @@ class Engine:
             "side_channel_host": "127.0.0.1",
             "side_channel_port": self.port,
             "kv_lease_duration": 5.0,  # a lease nobody heartbeats ends soon
+            # One host, one clock: pull's READs must be done within the lease less this.
+            "sealed_notif_skew": 1.0,
             "handshake_timeout": 5.0,
             "transfer_mode": mode,
         }

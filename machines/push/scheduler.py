@@ -117,6 +117,12 @@ class PushScheduler:
                 f"decode-side pipeline parallelism (pp_size={self.config.pp_size}) is not"
                 " supported in push mode: completions are counted per consumer rank"
             )
+        if mode == "pull" and self.config.kv_lease_duration <= self.config.sealed_notif_skew:
+            raise LocalProtocolError(
+                f"pull mode needs kv_lease_duration ({self.config.kv_lease_duration:g} s) above"
+                f" sealed_notif_skew ({self.config.sealed_notif_skew:g} s): D takes a READ only"
+                " if it is done within P's lease less the clocks' skew"
+            )
         if mode == "pull" and self.config.pp_size > 1:
             raise LocalProtocolError(
                 f"pull mode runs without pipeline parallelism (pp_size={self.config.pp_size}):"
