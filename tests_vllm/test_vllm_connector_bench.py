@@ -32,4 +32,10 @@ def test_C_05_bench_vllm_prints_the_ratio_json() -> None:
     for key in ("kvhandoff_us_per_step", "vllm_us_per_step", "ratio"):
         assert isinstance(report[key], int | float) and report[key] > 0, (key, report)
     assert set(report["by_side"]) == {"decode", "prefill"}
+    for which in ("kvhandoff", "vllm"):  # per hook, each side: the figures add up
+        for side in ("decode", "prefill"):
+            hooks = report["hooks"][which][side]
+            assert "update_connector_output" in hooks and "build_connector_meta" in hooks
+            total = report["by_side"][side][f"{which}_us_per_step"]
+            assert abs(sum(hooks.values()) - total) <= 0.02 * len(hooks) + 0.01 * total
     assert report["requests_in_flight"] == 40

@@ -11,7 +11,9 @@ prefill legs arrive. The steady state keeps `requests` in flight on each side. O
 connector's hooks that vLLM's scheduler calls are timed, with the thread's CPU clock (the
 timer's own cost per call, measured in the run, is subtracted from both alike); the
 workers' reports are what each connector's own worker would send (kvhandoff's carries its
-`PushWorkerOutput` too). The result is the mean per engine step over both sides.
+`PushWorkerOutput` too). The result is the mean per engine step over both sides, and per
+hook (`hooks`: µs per step of each connector's hooks on each side, from the best round; a
+hook called inside another counts in its caller's).
 
 Needs vLLM (run it with `.venv-vllm/bin/kvhandoff bench vllm --json`): it raises
 `RuntimeError` naming the fix when vLLM is missing. No NIXL transfer and no model run: no
@@ -152,13 +154,18 @@ class _Timer:
     def __init__(self, connector: Any) -> None:
         self.ns = 0
         self.calls = 0
+        self.by_hook: dict[str, list[int]] = {}  # hook -> [ns, calls], outermost calls
         self._depth = 0
         for name in TIMED_HOOKS:
             method = getattr(connector, name, None)
             if callable(method):
-                setattr(connector, name, self._wrap(method))
+                setattr(connector, name, self._wrap(name, method))
 
-    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def reset(self) -> None:
+        self.ns = self.calls = 0
+        self.by_hook = {}
+
+    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.thread_time_ns
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -169,8 +176,12 @@ class _Timer:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.ns += clock() - start
+                spent = clock() - start
+                self.ns += spent
                 self.calls += 1
+                entry = self.by_hook.setdefault(name, [0, 0])
+                entry[0] += spent
+                entry[1] += 1
                 self._depth -= 1
 
         return timed
@@ -279,19 +290,24 @@ def _timer_overhead_ns(calls: int = 20000) -> float:
 
 def _measure(
     model_dir: Path, which: str, side: str, requests: int, steps: int, overhead_ns: float
-) -> float:
-    """Connector CPU µs per engine step, in steady state, less the timer's own cost."""
+) -> tuple[float, dict[str, float]]:
+    """Connector CPU µs per engine step, in steady state, less the timer's own cost; and
+    the same per hook."""
     load = _Workload(model_dir, which, side, requests)
     for _ in range(2 * LIFETIME_STEPS):
         load.step()
     if len(load.in_flight) < requests // 2:
         raise RuntimeError(f"{which} {side}: only {len(load.in_flight)} requests in flight")
-    load.timer.ns = load.timer.calls = 0
+    load.timer.reset()
     for _ in range(steps):
         load.step()
     if len(load.sched.requests) < requests // 2:
         raise RuntimeError(f"{which} {side}: only {len(load.sched.requests)} requests held")
-    return max(0.0, load.timer.ns - overhead_ns * load.timer.calls) / steps / 1000.0
+    hooks = {
+        name: round(max(0.0, ns - overhead_ns * calls) / steps / 1000.0, 2)
+        for name, (ns, calls) in sorted(load.timer.by_hook.items())
+    }
+    return max(0.0, load.timer.ns - overhead_ns * load.timer.calls) / steps / 1000.0, hooks
 
 
 def run_vllm_bench(
@@ -306,6 +322,7 @@ def run_vllm_bench(
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     best: dict[tuple[str, str], float] = {}
+    best_hooks: dict[tuple[str, str], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-vllm-") as tmp:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -313,9 +330,10 @@ def run_vllm_bench(
         for round_ in range(rounds):
             for side in ("decode", "prefill"):
                 for which in ("kvhandoff", "vllm") if round_ % 2 == 0 else ("vllm", "kvhandoff"):
-                    us = _measure(model_dir, which, side, requests, steps, overhead_ns)
+                    us, hooks = _measure(model_dir, which, side, requests, steps, overhead_ns)
                     key = (which, side)
-                    best[key] = min(best.get(key, us), us)
+                    if us <= best.get(key, us):
+                        best[key], best_hooks[key] = us, hooks
                     if progress is not None:
                         progress(f"round {round_ + 1}: {which} {side}: {us:.1f} us/step")
     ours = (best[("kvhandoff", "decode")] + best[("kvhandoff", "prefill")]) / 2
@@ -330,6 +348,10 @@ def run_vllm_bench(
                 "vllm_us_per_step": round(best[("vllm", side)], 2),
             }
             for side in ("decode", "prefill")
+        },
+        "hooks": {
+            which: {side: best_hooks[(which, side)] for side in ("decode", "prefill")}
+            for which in ("kvhandoff", "vllm")
         },
         "requests_in_flight": requests,
         "steps": steps,
