@@ -7,6 +7,9 @@ refuses it before anything recursive touches it when:
 
 - it nests deeper than `max_depth` arrays and maps;
 - it holds more than `max_items` objects in all (a map entry counts twice);
+- it holds more than `max_other` objects that are not integers, when given (strings,
+  maps, arrays, ...: a message that is mostly integers, like a `PUSH_REG`, then costs
+  the walk a bounded number of Python loop turns, whatever a peer puts in it);
 - a string, binary, extension, array or map announces more than the bytes that are left
   (so a header cannot make a decoder allocate for elements that are not there);
 - it is truncated, uses the reserved byte `0xc1`, or has bytes after the object.
@@ -102,6 +105,7 @@ def check_msgpack(
     max_items: int,
     what: str = "message",
     peer: str | None = None,
+    max_other: int | None = None,
     integer_runs: bool = True,
 ) -> None:
     """Raise `RemoteProtocolError` unless `data` is exactly one msgpack object within the
@@ -112,6 +116,7 @@ def check_msgpack(
     size = len(view)
     pos = 0
     items = 0
+    others = 0
     # Slots still to read at each open level; the top level has one.
     stack = [1]
 
@@ -134,6 +139,10 @@ def check_msgpack(
         slots = 1
         if head <= 0x7F or head >= 0xE0:  # positive and negative fixint
             continue
+        if max_other is not None and head not in _INT_WIDTHS:
+            others += 1
+            if others > max_other:
+                raise fail(f"more than {max_other} objects other than integers")
         if head <= 0x8F:  # fixmap
             count, slots = head & 0x0F, 2
         elif head <= 0x9F:  # fixarray

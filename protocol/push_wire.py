@@ -143,6 +143,11 @@ def _from_wire(wire: _PushRegWire) -> PushRegistration:
     )
 
 
+MAX_PUSH_REG_OTHER: Final = 256
+"""Objects other than integers a `PUSH_REG` may hold (S-01): its map, a dozen keys and
+their string values, the block-id lists, with room for fields a newer vLLM may add. A
+hostile one full of strings is refused after these, not after `max_items`."""
+
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(_PushRegWire)
 _CHECK: Final = msgspec.msgpack.Decoder(PushRegistration)
@@ -196,7 +201,13 @@ def decode_push_reg(
     if not data.startswith(PUSH_REG_PREFIX):
         raise RemoteProtocolError("notif does not start with PUSH_REG:", peer=peer)
     body = memoryview(data)[len(PUSH_REG_PREFIX) :]
-    check_msgpack(body, max_items=2 * max_blocks + 64, what="PUSH_REG", peer=peer)
+    check_msgpack(
+        body,
+        max_items=2 * max_blocks + 64,
+        max_other=MAX_PUSH_REG_OTHER,
+        what="PUSH_REG",
+        peer=peer,
+    )
     try:
         reg = _from_wire(_DECODER.decode(body))
     except MSGPACK_DECODE_ERRORS as exc:

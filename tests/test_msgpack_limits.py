@@ -15,18 +15,31 @@ from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.msgpack_limits import check_msgpack
 
 
-def _outcome(data: bytes, max_depth: int, max_items: int, *, integer_runs: bool) -> str | None:
+def _outcome(
+    data: bytes,
+    max_depth: int,
+    max_items: int,
+    *,
+    integer_runs: bool,
+    max_other: int | None = None,
+) -> str | None:
     try:
-        check_msgpack(data, max_depth=max_depth, max_items=max_items, integer_runs=integer_runs)
+        check_msgpack(
+            data,
+            max_depth=max_depth,
+            max_items=max_items,
+            max_other=max_other,
+            integer_runs=integer_runs,
+        )
     except RemoteProtocolError as exc:
         return str(exc)
     return None
 
 
-def _agree(data: bytes, max_depth: int, max_items: int) -> bool:
+def _agree(data: bytes, max_depth: int, max_items: int, max_other: int | None = None) -> bool:
     """The integer runs decide as the one-object-a-turn walk does."""
-    fast = _outcome(data, max_depth, max_items, integer_runs=True)
-    return fast == _outcome(data, max_depth, max_items, integer_runs=False)
+    fast = _outcome(data, max_depth, max_items, integer_runs=True, max_other=max_other)
+    return fast == _outcome(data, max_depth, max_items, integer_runs=False, max_other=max_other)
 
 
 # Integers of every msgpack width, signed and unsigned, in runs (block-id-like lists).
@@ -72,9 +85,22 @@ def messages(draw: st.DrawFn) -> bytes:
 
 
 @settings(max_examples=600, deadline=None)
-@given(messages(), st.integers(1, 20), st.integers(1, 400))
-def test_S_01_integer_runs_decide_as_the_plain_walk(data: bytes, depth: int, items: int) -> None:
-    assert _agree(data, depth, items)
+@given(messages(), st.integers(1, 20), st.integers(1, 400), st.none() | st.integers(0, 40))
+def test_S_01_integer_runs_decide_as_the_plain_walk(
+    data: bytes, depth: int, items: int, other: int | None
+) -> None:
+    assert _agree(data, depth, items, other)
+
+
+def test_S_01_objects_other_than_integers_are_capped_apart_from_integers() -> None:
+    """A list of 1,000 integers and 3 strings passes a cap of 4 others (the list and the
+    strings); a fourth string is one too many, whatever the integer count."""
+    data = msgspec.msgpack.encode([*range(1000), "a", "b", "c"])
+    check_msgpack(data, max_items=2000, max_other=4)
+    with pytest.raises(RemoteProtocolError, match="more than 4 objects other than integers"):
+        check_msgpack(
+            msgspec.msgpack.encode([*range(1000), "a", "b", "c", "d"]), max_items=2000, max_other=4
+        )
 
 
 @pytest.mark.parametrize("cap", [0, 1, 2, 5, 16, 17, 18, 40])
@@ -94,3 +120,34 @@ def test_S_01_an_integer_list_one_level_too_deep_is_refused() -> None:
     check_msgpack(data, max_depth=4, max_items=100)
     with pytest.raises(RemoteProtocolError, match="nested deeper than 3"):
         check_msgpack(data, max_depth=3, max_items=100)
+
+
+def test_S_01_a_push_reg_full_of_strings_is_refused_after_its_cap_of_others() -> None:
+    """A hostile `PUSH_REG` of about 1 MiB of short strings is refused by the cap on
+    objects other than integers, long before the object cap (the walk's cost is bounded
+    by the cap, not by the message); a real registration passes."""
+    from kvhandoff.protocol.push_wire import (
+        MAX_PUSH_REG_OTHER,
+        PUSH_REG_PREFIX,
+        PushRegistration,
+        decode_push_reg,
+        encode_push_reg,
+    )
+
+    hostile = PUSH_REG_PREFIX + msgspec.msgpack.encode({"request_id": ["ab"] * 300_000})
+    assert len(hostile) > 800_000
+    with pytest.raises(RemoteProtocolError, match=f"more than {MAX_PUSH_REG_OTHER} objects other"):
+        decode_push_reg(hostile)
+    reg = PushRegistration(
+        request_id="cmpl-1-0-aaaaaaaa",
+        decode_engine_id="D",
+        decode_host="127.0.0.1",
+        decode_port=5600,
+        decode_tp_size=1,
+        block_ids=tuple(range(4096)),
+        remote_engine_id="P",
+        remote_host="127.0.0.1",
+        remote_port=5500,
+        remote_tp_size=1,
+    )
+    assert decode_push_reg(encode_push_reg(reg)).block_ids == reg.block_ids

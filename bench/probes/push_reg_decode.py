@@ -1,7 +1,9 @@
 """`python -m kvhandoff.bench.probes.push_reg_decode`: what decoding one `PUSH_REG` costs
 P's writer thread (S-01's structure check, msgspec's typed decode, the field checks), by
 the number of block ids D registers; `--baseline` also times the one-object-a-turn walk
-(`check_msgpack(..., integer_runs=False)`) in the same run. Prints one JSON line: µs per
+(`check_msgpack(..., integer_runs=False)`) in the same run. `--hostile` times instead how
+long P's writer spends refusing `PUSH_REG`s of about 1 MiB that a peer could send (a list
+of 3-byte integers, of fixints, of short strings). Prints one JSON line: µs per
 `decode_push_reg`, best of 5."""
 
 from __future__ import annotations
@@ -13,9 +15,17 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import msgspec
+
 import kvhandoff.protocol.push_wire as push_wire
+from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.msgpack_limits import check_msgpack
-from kvhandoff.protocol.push_wire import PushRegistration, decode_push_reg, encode_push_reg
+from kvhandoff.protocol.push_wire import (
+    PUSH_REG_PREFIX,
+    PushRegistration,
+    decode_push_reg,
+    encode_push_reg,
+)
 
 
 def _registration(blocks: int) -> bytes:
@@ -66,14 +76,57 @@ def run(block_counts: list[int], baseline: bool) -> dict[str, Any]:
     return result
 
 
+HOSTILE: dict[str, Any] = {
+    "ints_3_byte": [300] * 349_000,  # 3 bytes each
+    "fixints": [7] * 1_040_000,
+    "short_strings": ["ab"] * 349_000,  # 3 bytes each
+}
+"""About 1 MiB bodies under an unknown key (refused by the structure check's caps)."""
+
+
+def _refuse(data: bytes) -> None:
+    try:
+        decode_push_reg(data)
+    except RemoteProtocolError:
+        return
+    raise AssertionError("a hostile PUSH_REG was accepted")
+
+
+def _without_other_cap(data: Any, **limits: Any) -> None:
+    limits.pop("max_other", None)
+    check_msgpack(data, **limits)
+
+
+def hostile(baseline: bool) -> dict[str, float]:
+    """Microseconds P's writer spends refusing each hostile `PUSH_REG`; with `baseline`,
+    also without the cap on objects other than integers (the check before it), same run."""
+    out: dict[str, float] = {}
+    namespace = vars(push_wire)
+    for name, body in HOSTILE.items():
+        data = PUSH_REG_PREFIX + msgspec.msgpack.encode({"padding": body})
+        key = f"{name}_{len(data) >> 10}KiB"
+        out[f"{key}_us"] = _best_us(partial(_refuse, data), 3)
+        if baseline:
+            namespace["check_msgpack"] = _without_other_cap
+            try:
+                out[f"{key}_without_other_cap_us"] = _best_us(partial(_refuse, data), 3)
+            finally:
+                namespace["check_msgpack"] = check_msgpack
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 256, 2048])
     parser.add_argument(
         "--baseline", action="store_true", help="also time the one-object-a-turn walk"
     )
+    parser.add_argument(
+        "--hostile", action="store_true", help="time refusing ~1 MiB hostile PUSH_REGs"
+    )
     args = parser.parse_args()
-    print(json.dumps(run(args.blocks, args.baseline)))
+    result = hostile(args.baseline) if args.hostile else run(args.blocks, args.baseline)
+    print(json.dumps(result))
     return 0
 
 
