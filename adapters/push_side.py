@@ -150,7 +150,7 @@ class PushSide:
             kv_transfer_params,
             now,
             finished_normally=finished_normally,
-            wall=self.wall_clock(),
+            wall=self.wall_clock() if self.mode == "pull" else None,  # pull's lease deadline
         )
 
     def abort(self, request_id: str) -> None:

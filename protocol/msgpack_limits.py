@@ -117,6 +117,8 @@ def check_msgpack(
     pos = 0
     items = 0
     others = 0
+    # No cap: one the walk cannot reach (every object takes at least one byte).
+    other_cap = size if max_other is None else max_other
     # Slots still to read at each open level; the top level has one.
     stack = [1]
 
@@ -139,9 +141,9 @@ def check_msgpack(
         slots = 1
         if head <= 0x7F or head >= 0xE0:  # positive and negative fixint
             continue
-        if max_other is not None and head not in _INT_WIDTHS:
+        if head < 0xCC or head > 0xD3:  # anything but the wider integers
             others += 1
-            if others > max_other:
+            if others > other_cap:
                 raise fail(f"more than {max_other} objects other than integers")
         if head <= 0x8F:  # fixmap
             count, slots = head & 0x0F, 2

@@ -218,7 +218,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params,
             self.clock(),
             finished_normally=normally,
-            wall=wall_clock(),
+            wall=wall_clock() if self.mode == "pull" else None,  # pull's lease deadline
         )
 
     def request_finished_all_groups(
