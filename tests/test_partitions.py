@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -181,8 +182,17 @@ def test_R_E08_R_E12_ec_partition_cut_and_heal_mid_transfer(
         json.dumps(EC_CONSUMER_TIMEOUTS),
     )
     wait_ready(consumer, 60)
-    go([producer, consumer])
     events: dict[str, list[dict[str, Any]]] = {"producer": [], "consumer": []}
+    # The consumer starts once the producer has published some encodings: started
+    # together on a loaded host, the producer once had published none by the time the
+    # consumer had asked for all 40 (each `NACK_MISSING`, so nothing to cut).
+    go([producer])
+    deadline = time.monotonic() + 60
+    while sum(e["event"] == "finished" for e in events["producer"]) < 10:
+        event = producer.next_event(deadline)
+        assert event is not None and event["event"] != "exit", events["producer"][-5:]
+        events["producer"].append(event)
+    go([consumer])
     cut = healed = 0  # how many consumer events came before the cut, before the heal
 
     def on_event(role: str, event: dict[str, Any]) -> None:
