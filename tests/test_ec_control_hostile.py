@@ -3,7 +3,9 @@ S-06): the producer's ROUTER and a consumer's DEALER, each a real `ECSide` over 
 and NIXL, are sent hostile multipart messages built by Hypothesis (a wrong frame count,
 a missing or non-empty delimiter, garbage, kvhandoff's earlier `kind` dialect, deep
 nesting, a megabyte of junk) and each must answer or drop it with a counted rejection,
-then serve the next valid message. Framing and messages are vLLM 0.33.0's (C-03).
+then serve the next valid message (the producer's from another peer: ZMQ drops a peer
+whose frame is over the socket cap, and what that peer sent after it). Framing and
+messages are vLLM 0.33.0's (C-03).
 """
 
 from __future__ import annotations
@@ -129,19 +131,29 @@ def test_S_01_producer_router_survives_any_frames_then_serves(
     dealer.send_multipart(frames)
     probe = f"probe-{next(_serial)}"
     # A stock vLLM consumer's request, framed as vLLM frames it: answered NACK_MISSING.
-    dealer.send_multipart([b"", encode_xfer_req(XferReq(probe, COMPAT, "session-x"))])
+    # It comes from a peer of its own: a hostile frame over the socket cap makes ZMQ drop
+    # the hostile peer's connection, and with it whatever that peer sent next (found by a
+    # clean-clone CI run; a real consumer's retry would go out on the reconnected socket).
+    polite = zmq.Context.instance().socket(zmq.DEALER)
+    polite.setsockopt(zmq.LINGER, 0)
+    polite.connect(f"tcp://127.0.0.1:{prod.publish_port}")
+    polite.send_multipart([b"", encode_xfer_req(XferReq(probe, COMPAT, "session-x"))])
     got: list[XferAck] = []
 
     def answered() -> bool:
         prod.poll()
-        for reply in _replies(dealer):
+        _replies(dealer)  # what the hostile peer is told is not the probe's business
+        for reply in _replies(polite):
             assert len(reply) == 2 and reply[0] == b"", "replies are vLLM-framed"
             ack = decode_xfer_ack(reply[1])
             if ack.mm_hash == probe:
                 got.append(ack)
         return bool(got)
 
-    until(answered, "the probe to be answered")
+    try:
+        until(answered, "the probe to be answered")
+    finally:
+        polite.close(linger=0)
     assert got[0].status is XferStatus.NACK_MISSING
     hostile_answered = sum(prod.acks_sent.values()) - answered_before - 1
     assert prod.rejected - before + hostile_answered >= 1, "answered or counted, never silent"
