@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
+from kvhandoff.adapters.pull_reads import plan_reads, read_routes
 from kvhandoff.adapters.push_transport import (
     EngineInfo,
     PushTransport,
@@ -62,12 +63,7 @@ from kvhandoff.protocol.handshake import EXT_PUSH_FAIL, decode_engine_handshake
 from kvhandoff.protocol.notifs import encode_completion_notif, encode_write_failed
 from kvhandoff.protocol.push_config import PushConfig
 from kvhandoff.protocol.push_wire import PushRegistration, encode_push_reg
-from kvhandoff.protocol.tp_mapping import (
-    check_tp_sizes,
-    read_sources,
-    write_targets,
-    writers_of,
-)
+from kvhandoff.protocol.tp_mapping import check_tp_sizes, write_targets, writers_of
 
 log = logging.getLogger("kvhandoff.push.rank")
 
@@ -375,54 +371,31 @@ class RankWriterSide:
     # -- pull mode (B-09) --------------------------------------------------------------
 
     def _issue_read(self, effect: IssueRead, now: float) -> None:
-        """One READ per P rank this rank reads from (`read_sources`: what that rank would
-        have written here in push mode), each carrying its completion notif. Checked
-        before any is posted; a READ that fails to post beside posted ones fails the
+        """One READ per P rank this rank reads from (`pull_reads.plan_reads`), each carrying
+        its completion notif; a READ that fails to post beside posted ones fails the
         request once those ended (B-09, R-T03)."""
         source = effect.source
         engine = source.prefill.engine_id
-        info = self.transport.engine(engine)
         try:
-            if info is None:
-                raise KvHandoffError(f"no connected agents for {engine}")
-            if (info.tp_size, info.pp_size) != (source.prefill.tp_size, 1):
-                raise RemoteProtocolError(
-                    f"{engine} runs TP {info.tp_size} x PP {info.pp_size}; pull reads from"
-                    f" one stage of TP {source.prefill.tp_size}",
-                    peer=engine,
-                )
-            lacking = len(effect.block_ids)
-            if lacking > len(source.block_ids):
-                raise RemoteProtocolError(
-                    f"{effect.request_id} lacks {lacking} blocks here, {source.request_id}"
-                    f" names {len(source.block_ids)} on {engine}",
-                    peer=engine,
-                )
-            # R-T05: D holds a cached prefix and reads only the tail of P's blocks it lacks.
-            remote_logical = source.block_ids[len(source.block_ids) - lacking :]
-            local = expand_to_physical(effect.block_ids, self.physical_blocks_per_logical)
-            pairs: list[tuple[int, list[int]]] = []
-            sources = read_sources(self.config.tp_size, self.tp_rank, info.tp_size)
-            for read in sources:
-                rank = info.ranks[read.p_rank]
-                remote = expand_to_physical(remote_logical, rank.physical_blocks_per_logical)
-                check_within_capacity(source.request_id, remote, rank.capacity, engine_id=engine)
-                if len(local) != len(remote):
-                    raise RemoteProtocolError(
-                        f"{effect.request_id} holds {len(local)} physical blocks here,"
-                        f" {source.request_id} names {len(remote)} on {engine}"
-                    )
-                pairs.append((read.p_rank, remote))
+            local, plan = plan_reads(
+                effect.request_id,
+                effect.block_ids,
+                source,
+                self.transport.engine(engine),
+                tp_size=self.config.tp_size,
+                tp_rank=self.tp_rank,
+                physical_blocks_per_logical=self.physical_blocks_per_logical,
+            )
             notif = self._seal(encode_completion_notif(source.request_id, self.config.tp_size))
         except KvHandoffError as exc:
             self._read_submit_failed(effect.request_id, engine, exc, now)
             return
         handles: list[tuple[int, TransferHandle | None]] = []
-        for read, (p_rank, remote) in zip(sources, pairs, strict=True):
+        for read, remote in plan:
             try:
                 handle = self.transport.read_blocks(
                     engine,
-                    p_rank,
+                    read.p_rank,
                     local,
                     remote,
                     notif,
@@ -434,12 +407,12 @@ class RankWriterSide:
                     self._read_submit_failed(effect.request_id, engine, exc, now)
                     return
                 log.warning(
-                    "READ %s from rank %d failed to post: %s", effect.request_id, p_rank, exc
+                    "READ %s from rank %d failed to post: %s", effect.request_id, read.p_rank, exc
                 )
                 self._forget_if_gone(engine, exc, now)
-                handles.append((p_rank, None))
+                handles.append((read.p_rank, None))
                 continue
-            handles.append((p_rank, handle))
+            handles.append((read.p_rank, handle))
         self.posted_transfers.append((effect.request_id, handles))
         self._report(effect.request_id, ReadPosted())
 
@@ -467,9 +440,7 @@ class RankWriterSide:
             targets = write_targets(self.config.tp_size, self.tp_rank, engine_tp)
             return {t.d_rank: (t.local.count, t.remote.count) for t in targets}
         if self.role == "decode" and self.mode == "pull":
-            check_tp_sizes(engine_tp, self.config.tp_size)
-            reads = read_sources(self.config.tp_size, self.tp_rank, engine_tp)
-            return {r.p_rank: (r.local.count, r.remote.count) for r in reads}
+            return read_routes(self.config.tp_size, self.tp_rank, engine_tp)
         return {}
 
     def _start_handshake(self, effect: StartHandshake) -> None:

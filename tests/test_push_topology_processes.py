@@ -159,6 +159,71 @@ PULL_TOPOLOGIES = [
 ]
 
 
+class Run:
+    """One test's requests across P and D: what each engine reported, each id once, and
+    the requests made (D id -> (client, D's block ids); P id -> P's block ids)."""
+
+    def __init__(self, p: Engine, d: Engine) -> None:
+        self.p, self.d = p, d
+        self.received: set[str] = set()
+        self.failed: dict[str, str] = {}
+        self.sent: set[str] = set()
+        self.blocks: dict[str, tuple[str, str]] = {}
+        self.p_ids: dict[str, str] = {}
+
+    def request(self, tag: str, i: int) -> tuple[str, str, str, str]:
+        """Request `i`: P's KV filled, D's blocks cleared; (D id, P id, D's, P's blocks)."""
+        client = f"cmpl-{tag}{i:02d}-0"
+        n = 1 + i % 4
+        p_blocks = ",".join(str(10 * i + k) for k in range(n))
+        d_blocks = ",".join(str(100 + 10 * i + k) for k in range(n))
+        assert self.p.on_ranks(f"FILL {client} {p_blocks}") == ["OK"] * len(self.p.ranks)
+        assert self.d.on_ranks(f"CLEAR {d_blocks}") == ["OK"] * len(self.d.ranks)
+        d_id, p_id = f"{client}-dddd{i:04d}", f"{client}-aaaa{i:04d}"
+        self.blocks[d_id] = (client, d_blocks)
+        self.p_ids[p_id] = p_blocks
+        return d_id, p_id, d_blocks, p_blocks
+
+    def take(self, engine: Engine) -> None:
+        out = engine.step()
+        assert not self.received & out.finished_recving, "a receive is reported once"
+        assert not self.sent & out.finished_sending, "a lease is freed once"
+        self.received.update(out.finished_recving)
+        self.failed.update(out.failed_recving)
+        self.sent.update(out.finished_sending)
+
+    def drive(self) -> None:
+        """Step both engines until every request was received and every lease freed, then
+        check D's bytes rank by rank and that nothing is left on either side."""
+        p, d = self.p, self.d
+        deadline = time.monotonic() + DEADLINE_S
+        while len(self.received) + len(self.failed) < len(self.blocks) or len(self.sent) < len(
+            self.p_ids
+        ):
+            assert time.monotonic() < deadline, (
+                self.received,
+                self.failed,
+                self.sent,
+                p.logs(),
+                d.logs(),
+            )
+            self.take(d)
+            self.take(p)
+            time.sleep(0.002)  # yield the two cores to the six processes between steps
+
+        assert self.failed == {}, self.failed
+        assert self.received == set(self.blocks) and self.sent == set(self.p_ids)
+        for client, d_blocks in self.blocks.values():
+            assert d.on_ranks(f"VERIFY {client} {d_blocks}") == ["OK"] * len(d.ranks), client
+        for engine in (p, d):
+            assert not engine.pending()
+            for stats in engine.stats():
+                assert stats["writer_alive"] and stats["writer_errors"] == 0, stats
+                assert stats["failed_transfers"] == 0 and stats["live"] == 0, stats
+                if engine is d:  # (P may refuse a heartbeat for a lease it already freed)
+                    assert stats["rejected_notifs"] == 0, stats
+
+
 @pytest.mark.parametrize("engines", TOPOLOGIES, indirect=True)
 def test_R_T01_R_T02_R_T03_R_T04_S_05_scheduler_and_two_ranks_per_engine_in_six_processes(
     engines: tuple[Engine, Engine],
@@ -166,30 +231,9 @@ def test_R_T01_R_T02_R_T03_R_T04_S_05_scheduler_and_two_ranks_per_engine_in_six_
     p, d = engines
     coords = PrefillCoordinates(p.engine_id, "127.0.0.1", p.port, p.tp, p.pp)
     params = json.dumps(decode_leg({}, coords)["kv_transfer_params"], separators=(",", ":"))
-    received: set[str] = set()
-    failed: dict[str, str] = {}
-    sent: set[str] = set()
-
-    def take(engine: Engine) -> None:
-        out = engine.step()
-        assert not received & out.finished_recving, "a receive is reported once"
-        assert not sent & out.finished_sending, "a lease is freed once"
-        received.update(out.finished_recving)
-        failed.update(out.failed_recving)
-        sent.update(out.finished_sending)
-
-    blocks: dict[str, tuple[str, str]] = {}  # D request id -> (client, D's block ids)
-    p_ids: dict[str, str] = {}  # P request id -> P's block ids
+    run = Run(p, d)
     for i in range(REQUESTS):
-        client = f"cmpl-topo{i:02d}-0"
-        n = 1 + i % 4
-        p_blocks = ",".join(str(10 * i + k) for k in range(n))
-        d_blocks = ",".join(str(100 + 10 * i + k) for k in range(n))
-        assert p.on_ranks(f"FILL {client} {p_blocks}") == ["OK"] * len(p.ranks)
-        assert d.on_ranks(f"CLEAR {d_blocks}") == ["OK"] * len(d.ranks)
-        d_id, p_id = f"{client}-dddd{i:04d}", f"{client}-aaaa{i:04d}"
-        blocks[d_id] = (client, d_blocks)
-        p_ids[p_id] = p_blocks
+        d_id, p_id, d_blocks, p_blocks = run.request("topo", i)
         # Half the requests reach D first (PUSH_REG waits on P), half reach P first.
         order = (d, p) if i % 2 == 0 else (p, d)
         for engine in order:
@@ -197,40 +241,8 @@ def test_R_T01_R_T02_R_T03_R_T04_S_05_scheduler_and_two_ranks_per_engine_in_six_
                 d.command(f"ALLOC {d_id} {d_blocks} {params}")
             else:
                 p.finish(p_id, p_blocks)
-            take(engine)
-    drive(p, d, blocks, p_ids, take, received, failed, sent)
-
-
-def drive(
-    p: Engine,
-    d: Engine,
-    blocks: dict[str, tuple[str, str]],
-    p_ids: dict[str, str],
-    take: Any,
-    received: set[str],
-    failed: dict[str, str],
-    sent: set[str],
-) -> None:
-    """Step both engines until every request was received and every lease freed, then
-    check D's bytes rank by rank and that nothing is left on either side."""
-    deadline = time.monotonic() + DEADLINE_S
-    while len(received) + len(failed) < len(blocks) or len(sent) < len(p_ids):
-        assert time.monotonic() < deadline, (received, failed, sent, p.logs(), d.logs())
-        take(d)
-        take(p)
-        time.sleep(0.002)  # yield the two cores to the six processes between steps
-
-    assert failed == {}, failed
-    assert received == set(blocks) and sent == set(p_ids)
-    for client, d_blocks in blocks.values():
-        assert d.on_ranks(f"VERIFY {client} {d_blocks}") == ["OK"] * len(d.ranks), client
-    for engine in (p, d):
-        assert not engine.pending()
-        for stats in engine.stats():
-            assert stats["writer_alive"] and stats["writer_errors"] == 0, stats
-            assert stats["failed_transfers"] == 0 and stats["live"] == 0, stats
-            if engine is d:  # (P may refuse a heartbeat for a lease it already freed)
-                assert stats["rejected_notifs"] == 0, stats
+            run.take(engine)
+    run.drive()
 
 
 @pytest.mark.parametrize("engines", PULL_TOPOLOGIES, indirect=True)
@@ -238,34 +250,13 @@ def test_B09_R_T01_R_T02_R_T03_pull_with_two_ranks_on_a_side_in_separate_process
     engines: tuple[Engine, Engine],
 ) -> None:
     p, d = engines
-    received: set[str] = set()
-    failed: dict[str, str] = {}
-    sent: set[str] = set()
-
-    def take(engine: Engine) -> None:
-        out = engine.step()
-        assert not received & out.finished_recving, "a receive is reported once"
-        assert not sent & out.finished_sending, "a lease is freed once"
-        received.update(out.finished_recving)
-        failed.update(out.failed_recving)
-        sent.update(out.finished_sending)
-
-    blocks: dict[str, tuple[str, str]] = {}
-    p_ids: dict[str, str] = {}
+    run = Run(p, d)
     for i in range(REQUESTS):
-        client = f"cmpl-pull{i:02d}-0"
-        n = 1 + i % 4
-        p_blocks = ",".join(str(10 * i + k) for k in range(n))
-        d_blocks = ",".join(str(100 + 10 * i + k) for k in range(n))
-        assert p.on_ranks(f"FILL {client} {p_blocks}") == ["OK"] * len(p.ranks)
-        assert d.on_ranks(f"CLEAR {d_blocks}") == ["OK"] * len(d.ranks)
-        d_id, p_id = f"{client}-dddd{i:04d}", f"{client}-aaaa{i:04d}"
-        blocks[d_id] = (client, d_blocks)
-        p_ids[p_id] = p_blocks
+        d_id, p_id, d_blocks, p_blocks = run.request("pull", i)
         params = p.finish(p_id, p_blocks)  # P first: its answer is D's leg (the proxy's relay)
         assert params["transfer_mode"] == "pull" and params["remote_request_id"] == p_id
         assert params["tp_size"] == p.tp, params
-        take(p)
+        run.take(p)
         d.command(f"ALLOC {d_id} {d_blocks} {json.dumps(params, separators=(',', ':'))}")
-        take(d)
-    drive(p, d, blocks, p_ids, take, received, failed, sent)
+        run.take(d)
+    run.drive()

@@ -119,17 +119,27 @@ class RunChecks:
             if reg.decode_tp_rank is not None:  # kvhandoff D ranks always name theirs
                 self.ledger.reg_delivered(dst_agent, reg.request_id, reg.decode_tp_rank)
 
+    def _posted_request(
+        self, transfer: SimTransfer, initiator: SimEngine, peer: SimEngine
+    ) -> str | None:
+        """The request a posted WRITE or READ names in its completion notif, once it goes
+        from the engine that must start it to the other one (else a violation, None)."""
+        op = transfer.op
+        if transfer.src_engine != initiator.engine_id or transfer.dst_engine != peer.engine_id:
+            self.ledger.violation(f"{op} by {transfer.src_engine} to {transfer.dst_engine}")
+            return None
+        try:
+            return decode_completion_notif(unsealed(transfer.notif)).request_id
+        except KvHandoffError as exc:
+            self.ledger.violation(f"{op} with a bad completion notif: {exc}")
+            return None
+
     def write_posted(self, transfer: SimTransfer) -> None:
         """A WRITE needs both a live lease on the blocks and D's registration of its target."""
         ledger = self.ledger
         prefill, decode = self.prefill, self.decode
-        if transfer.src_engine != prefill.engine_id or transfer.dst_engine != decode.engine_id:
-            ledger.violation(f"WRITE from {transfer.src_engine} to {transfer.dst_engine}")
-            return
-        try:
-            d_id = decode_completion_notif(unsealed(transfer.notif)).request_id
-        except KvHandoffError as exc:
-            ledger.violation(f"WRITE with a bad completion notif: {exc}")
+        d_id = self._posted_request(transfer, prefill, decode)
+        if d_id is None:
             return
         ratio = self.settings.ratio
         owners = {prefill.pool.owner.get(b // ratio) for b in transfer.local_ids}
@@ -196,13 +206,8 @@ class RunChecks:
         must never be taken as received (the pattern check of every receive says so)."""
         ledger = self.ledger
         prefill, decode = self.prefill, self.decode
-        if transfer.src_engine != decode.engine_id or transfer.dst_engine != prefill.engine_id:
-            ledger.violation(f"READ by {transfer.src_engine} from {transfer.dst_engine}")
-            return
-        try:
-            p_id = decode_completion_notif(unsealed(transfer.notif)).request_id
-        except KvHandoffError as exc:
-            ledger.violation(f"READ with a bad completion notif: {exc}")
+        p_id = self._posted_request(transfer, decode, prefill)
+        if p_id is None:
             return
         record = ledger.of(p_id)
         if record is None or record.p_id != p_id or record.d_id is None:
