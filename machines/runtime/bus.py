@@ -285,7 +285,11 @@ class EventBus(TimerQueues):
         outer = self._delivering
         self._delivering = True
         try:
-            self._step(inst, event)
+            step = inst.node.steps.get(event.__class__)
+            if step is None:
+                self._step(inst, event)
+            else:
+                step(self, inst, event)
         finally:
             if inst.queue:
                 self._drain(inst)
@@ -294,7 +298,14 @@ class EventBus(TimerQueues):
             self._delivering = outer
 
     def _step(self, inst: Instance[Any], event: Event) -> None:
+        """The general step: the route for `event`, its guards, the state change, timers,
+        the action and its effects, and the recorder. Outside recording every declared
+        route runs as its generated step instead (`steps.py`), which does the same."""
         node = inst.node
+        step = node.steps.get(event.__class__)
+        if step is not None:
+            step(self, inst, event)
+            return
         route = node.on.get(event.__class__)
         if route is None:
             self._unhandled(inst, event)
@@ -346,16 +357,25 @@ class EventBus(TimerQueues):
     def _choose(self, inst: Instance[Any], route: Route, event: Event) -> Route:
         chosen = route.choose(inst.ctx, event)
         if chosen is None:
-            message = (
-                f"machine {inst.machine.name!r}: no guard admits event {event.trigger!r} in "
-                f"state {inst.node.name!r} (instance {inst.key!r})"
-            )
-            if event.from_peer:
-                inst.machine.rejected_count += 1
-                raise RemoteProtocolError(message)
-            inst.machine.error_count += 1
-            raise LocalProtocolError(message)
+            raise self._unadmitted(inst, event)
         return chosen
+
+    def _refuse_unadmitted(self, inst: Instance[Any], event: Event) -> None:
+        """A generated step's end when no guarded alternative admits `event`."""
+        raise self._unadmitted(inst, event)
+
+    def _unadmitted(self, inst: Instance[Any], event: Event) -> KvHandoffError:
+        """No guarded alternative admits `event`: a peer's is rejected, a local one is an
+        error (both counted); the state does not change."""
+        message = (
+            f"machine {inst.machine.name!r}: no guard admits event {event.trigger!r} in "
+            f"state {inst.node.name!r} (instance {inst.key!r})"
+        )
+        if event.from_peer:
+            inst.machine.rejected_count += 1
+            return RemoteProtocolError(message)
+        inst.machine.error_count += 1
+        return LocalProtocolError(message)
 
     def _enqueue(self, inst: Instance[Any], event: Event) -> None:
         if inst.queue is None:

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout, TransitionDecl
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.events import Event
+from kvhandoff.machines.runtime.steps import Step, compile_steps
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 
 C = TypeVar("C")
@@ -40,6 +41,7 @@ class Node:
         "ignored",
         "name",
         "on",
+        "steps",
         "tags",
         "timeout",
         "timeout_event",
@@ -54,6 +56,9 @@ class Node:
         self.on: dict[type[Event], Route] = {}
         # The plain routes of `on` (see Route.plain), which the bus runs on its fast path.
         self.fast: dict[type[Event], Route] = {}
+        # Every route of `on` as one generated function (`steps.py`), while the bus
+        # records nothing; empty while it does (the general step reports to the recorder).
+        self.steps: dict[type[Event], Step] = {}
         self.ignored: frozenset[type[Event]] = frozenset()
         self.timeout: Timeout | None = None
         self.timeout_seconds: float | None = None
@@ -294,7 +299,9 @@ class CompiledMachine(Generic[C]):
         return members
 
     def set_fast_path(self, enabled: bool) -> None:
-        """Let plain routes skip the general step (off while transitions are recorded)."""
+        """Let plain routes skip the general step, and every other route take its generated
+        one (`steps.py`); both off while transitions are recorded. Called again whenever a
+        route's watched tags change, so the generated steps keep them."""
         self._fast_enabled = enabled
         for route in self.routes:
             dest = route.dest
@@ -311,6 +318,11 @@ class CompiledMachine(Generic[C]):
         for route in self.routes:
             if route.dest is not None:
                 route.queue, route.seconds = route.dest.timer_queue, route.dest.timeout_seconds
+        if enabled:
+            compile_steps(self)
+        else:
+            for node in self.nodes.values():
+                node.steps = {}
 
     # -- counters ----------------------------------------------------------------------
 

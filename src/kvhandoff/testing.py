@@ -241,28 +241,55 @@ def _tour_missing_edges(
     deterministically, with the simplest context and payloads the strategies allow.
     """
     from hypothesis import find
+    from hypothesis.errors import NoSuchExample
 
     context = options.get("context")
     fields = find(context, lambda _: True) if context is not None else {}
     strategies = _payload_strategies(decl, options.get("payloads"))
     simplest: dict[type[Event], Event] = {}
     by_trigger = {cls.trigger: cls for cls in decl.events}
-    for source, trigger, _dest in coverage.missing():
-        path = _shortest_path(decl, source)
-        if path is None:
-            continue
+
+    def walk(events: Sequence[Event]) -> frozenset[tuple[str, str, str]]:
+        """A fresh instance driven through `events`: the edges it took (a guard refusing
+        on the way ends the walk)."""
         bus = EventBus()
         machine = bus.register(decl, options.get("config"))
         bus.handle(Emit, lambda _inst, _effect: None)
         bus.create(decl, decl.new_context("tour", dict(fields)), 0.0)
         try:
-            for cls in [*path, by_trigger[trigger]]:
-                if cls not in simplest:
-                    simplest[cls] = find(strategies[cls], lambda _: True)
-                bus.dispatch(decl, "tour", simplest[cls], 0.0)
+            for event in events:
+                bus.dispatch(decl, "tour", event, 0.0)
         except (LocalProtocolError, RemoteProtocolError):
             pass  # a guard refused on this path: leave the edge to the random runs
-        coverage.add(machine.taken_edges())
+        return machine.taken_edges()
+
+    for edge in coverage.missing():
+        source, trigger, _dest = edge
+        path = _shortest_path(decl, source)
+        if path is None:
+            continue
+        classes = [*path, by_trigger[trigger]]
+        for cls in classes:
+            if cls not in simplest:
+                simplest[cls] = find(strategies[cls], lambda _: True)
+        taken = walk([simplest[cls] for cls in classes])
+        if edge not in taken:
+            # The simplest payloads' guards refuse a step: search the payloads along the
+            # path for ones they admit (derandomized: the same verdict on every run).
+            def admitted(drawn: tuple[Event, ...], edge: tuple[str, str, str] = edge) -> bool:
+                return edge in walk(drawn)
+
+            try:
+                events = find(
+                    st.tuples(*(strategies[cls] for cls in classes)),
+                    admitted,
+                    settings=settings(max_examples=300, derandomize=True, database=None),
+                )
+            except NoSuchExample:
+                events = ()
+            if events:
+                taken = walk(events)
+        coverage.add(taken)
 
 
 def _shortest_path(decl: Declaration[Any], target: str) -> list[type[Event]] | None:
