@@ -298,6 +298,13 @@ class CompiledMachine(Generic[C]):
             self.set_fast_path(self._fast_enabled)
         return members
 
+    def refresh(self) -> None:
+        """Rebuild the fast path and the generated steps from the routes as they are now:
+        after a route's action, guards or alternatives were changed in place (the
+        simulator's planted variants do so on one bus's table), so every path runs the
+        changed table."""
+        self.set_fast_path(self._fast_enabled)
+
     def set_fast_path(self, enabled: bool) -> None:
         """Let plain routes skip the general step, and every other route take its generated
         one (`steps.py`); both off while transitions are recorded. Called again whenever a

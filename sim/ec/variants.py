@@ -59,6 +59,7 @@ def not_ready_fatal(world: SimulatedECWorld, engine: Engine) -> None:
         for conditions, unless, alt in chooser.alternatives
         if alt.dest is None or "retry_pending" not in alt.dest.tags
     )
+    machine.refresh()
 
 
 def grant_never_unpinned(world: SimulatedECWorld, engine: Engine) -> None:
@@ -71,6 +72,7 @@ def grant_never_unpinned(world: SimulatedECWorld, engine: Engine) -> None:
     for route in _routes(engine, EC_PRODUCER_GRANT):
         if route.edge[0] == "granted" and route.edge[2] == "released":
             route.action = forget_the_pin
+    engine.scheduler.bus.machine(EC_PRODUCER_GRANT).refresh()
 
 
 def no_quarantine(world: SimulatedECWorld, engine: Engine) -> None:
@@ -83,6 +85,7 @@ def no_quarantine(world: SimulatedECWorld, engine: Engine) -> None:
     for route in _routes(engine, EC_CONSUMER_READ):
         if route.edge[0] == "reading" and route.edge[2] == "quarantined":
             route.action = free_at_once
+    engine.scheduler.bus.machine(EC_CONSUMER_READ).refresh()
 
 
 def unpin_on_first_report(world: SimulatedECWorld, engine: Engine) -> None:
@@ -97,6 +100,7 @@ def unpin_on_first_report(world: SimulatedECWorld, engine: Engine) -> None:
 
     (_, unless, first), *rest = chooser.alternatives
     chooser.alternatives = ((pending,), unless, first), *rest  # any rank's report lands it
+    machine.refresh()
 
 
 def ack_from_any_peer(world: SimulatedECWorld, engine: Engine) -> None:
@@ -126,6 +130,7 @@ def size_trusted(world: SimulatedECWorld, engine: Engine) -> None:
                 chooser.alternatives = tuple(
                     alt for alt in chooser.alternatives if alt[2].action is not bad_size
                 )
+    machine.refresh()
 
 
 EC_VARIANTS: dict[str, ECVariant] = {

@@ -52,7 +52,8 @@ def _patch_guard(
     bus: EventBus, decl: Declaration[Any], old: Callable[..., bool], new: Callable[..., bool]
 ) -> None:
     """Swap one guard in this bus's compiled table (not in the shared declaration)."""
-    for node in bus.machine(decl).nodes.values():
+    machine = bus.machine(decl)
+    for node in machine.nodes.values():
         for route in node.on.values():
             if route.alternatives:
                 route.alternatives = tuple(
@@ -63,6 +64,7 @@ def _patch_guard(
                     )
                     for conditions, unless, chosen in route.alternatives
                 )
+    machine.refresh()
 
 
 def lease_never_freed(engine: SimEngine) -> None:
@@ -73,9 +75,11 @@ def lease_never_freed(engine: SimEngine) -> None:
         return [Metric("push.p.lease_expired")]
 
     for rank in engine.side.ranks:
-        for route in rank.bus.machine(P_LEASE).routes:
+        machine = rank.bus.machine(P_LEASE)
+        for route in machine.routes:
             if route.action is p_lease.reap:
                 route.action = reap_without_free
+        machine.refresh()
 
 
 def eviction_ignored(engine: SimEngine) -> None:
