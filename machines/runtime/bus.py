@@ -234,19 +234,33 @@ class EventBus(TimerQueues):
             raise self._unknown(kind, None, event)
         refused: list[tuple[Hashable, KvHandoffError]] = []
         cls = event.__class__
+        outer = self._delivering
         for key in keys:
             inst = index.get(key)
             if inst is None:
                 refused.append((key, self._unknown(kind, key, event)))
                 continue
-            route = inst.node.fast.get(cls)
+            node = inst.node
+            route = node.fast.get(cls)
             if inst.busy:
                 self._enqueue(inst, event)
             elif route is None:
+                # `_deliver`, inlined: the generated step, then the queue and retirement.
+                step = node.steps.get(cls)
+                self._delivering = True
                 try:
-                    self._deliver(inst, event)
+                    if step is None:
+                        self._step(inst, event)
+                    else:
+                        step(self, inst, event)
                 except RemoteProtocolError as exc:
                     refused.append((key, exc))
+                finally:
+                    if inst.queue:
+                        self._drain(inst)
+                    if inst.node.final:
+                        self._retire(inst)
+                    self._delivering = outer
             else:
                 self._take_plain(inst, route)
         return refused
