@@ -240,3 +240,13 @@ def test_R_P05_an_eviction_in_the_same_pass_still_cancels_a_gathered_registratio
     assert carried == [2]  # handed over before the eviction
     connect_deferred(d.ranks[0])
     assert _push_regs_at(tp) == [kept]
+
+
+def test_R_T02_scheduler_hooks_probe_reports_every_request_once() -> None:
+    """The probe behind the scheduler's per-hook figures drives a whole step per side: it
+    raises unless the one rank's report ends every request it names."""
+    from kvhandoff.bench.probes.scheduler_hooks import _decode, _prefill
+
+    decode, prefill = _decode(8, 2), _prefill(8, 2)
+    assert set(decode) == {"alloc", "meta", "out"} and set(prefill) == {"finish", "meta", "out"}
+    assert all(value > 0 for value in [*decode.values(), *prefill.values()])
