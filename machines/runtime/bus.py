@@ -316,7 +316,7 @@ class EventBus(TimerQueues):
         the action and its effects, and the recorder. Outside recording every declared
         route runs as its generated step instead (`steps.py`), which does the same."""
         node = inst.node
-        step = node.steps.get(event.__class__)
+        step = node.steps.get(event.__class__) or inst.machine.step_for(node, event.__class__)
         if step is not None:
             step(self, inst, event)
             return

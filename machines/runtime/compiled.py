@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from kvhandoff.machines.runtime.declaration import Declaration, Timeout, TransitionDecl
 from kvhandoff.machines.runtime.effects import Effect
 from kvhandoff.machines.runtime.events import Event
-from kvhandoff.machines.runtime.steps import Step, compile_steps
+from kvhandoff.machines.runtime.steps import Step, compile_step
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 
 C = TypeVar("C")
@@ -56,8 +56,9 @@ class Node:
         self.on: dict[type[Event], Route] = {}
         # The plain routes of `on` (see Route.plain), which the bus runs on its fast path.
         self.fast: dict[type[Event], Route] = {}
-        # Every route of `on` as one generated function (`steps.py`), while the bus
-        # records nothing; empty while it does (the general step reports to the recorder).
+        # The routes of `on` taken so far, each as one generated function (`steps.py`),
+        # while the bus records nothing; empty while it does (the general step reports to
+        # the recorder).
         self.steps: dict[type[Event], Step] = {}
         self.ignored: frozenset[type[Event]] = frozenset()
         self.timeout: Timeout | None = None
@@ -203,6 +204,8 @@ class CompiledMachine(Generic[C]):
         self.alias_of: Callable[[Hashable], Hashable] | None = None
         self.aliases: dict[Hashable, Instance[C]] = {}
         self._fast_enabled = True
+        # Whether routes run as generated steps (`step_for`): off while recording.
+        self.generate = True
         self.ignored_count = 0
         self.rejected_count = 0
         self.error_count = 0
@@ -325,11 +328,18 @@ class CompiledMachine(Generic[C]):
         for route in self.routes:
             if route.dest is not None:
                 route.queue, route.seconds = route.dest.timer_queue, route.dest.timeout_seconds
-        if enabled:
-            compile_steps(self)
-        else:
-            for node in self.nodes.values():
-                node.steps = {}
+        self.generate = enabled
+        for node in self.nodes.values():
+            node.steps = {}  # written again on first use, from the routes as they are now
+
+    def step_for(self, node: Node, event: type[Event]) -> Step | None:
+        """The generated step of `node`'s route for `event`, written the first time it is
+        asked for (`steps.py`); None while recording, or when `node` declares no route."""
+        route = node.on.get(event)
+        if route is None or not self.generate:
+            return None
+        step = node.steps[event] = compile_step(self.name, node, route)
+        return step
 
     # -- counters ----------------------------------------------------------------------
 

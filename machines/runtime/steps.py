@@ -1,23 +1,28 @@
-"""Each node's routes compiled into one Python function per trigger: the bus's general
-step, specialised to what the declaration says about that trigger in that state.
+"""Each declared route compiled into one Python function: the bus's general step,
+specialised to what the declaration says about one trigger in one state.
 
 `EventBus._step` reads the route, tries its guarded alternatives in order, changes the
 state, keeps the watched tags' members, cancels and arms timers, runs the action and
-executes its effects: about five Python frames and a loop per guard list for every
-event that is not a plain route. `compile_steps(machine)` writes, for each
-`(node, event class)` of the table, a function `step(bus, inst, event)` that does the
-same in one frame: the guards called one after the other in the declared order (the
-same short-circuit as `Route.choose`: the conditions until one fails, then the `unless`
-guards until one holds), then the chosen route's changes, each spelled out for that
-route (no timer code for a route that keeps or never arms one, no watch code for a
-route that enters or leaves no watched tag), then the action and the effect handlers
-inline.
+executes its effects: about five Python frames and a loop per guard list for every event
+that is not a plain route. `compile_step` writes, for one `(node, event class)` of the
+table, a function `step(bus, inst, event)` that does the same in one frame:
 
-The functions are generated from the compiled table and nothing else: the declaration
-stays the one truth, and `tests/test_runtime_steps.py` checks every machine of the
-package against the general step on generated event sequences. They run only while the
-bus records nothing (`set_fast_path`); a recording bus takes the general step, which
-reports each transition to the recorder.
+- the guards called one after the other in the declared order, with `Route.choose`'s
+  short-circuit (the conditions until one fails, then the `unless` guards until one
+  holds);
+- then the chosen route's changes, each spelled out for that route (no timer code for a
+  route that keeps or never arms one, no watch code for one that enters or leaves no
+  watched tag);
+- then the action, and its effects' handlers inline.
+
+A machine writes each step the first time its route is taken (`CompiledMachine.step_for`),
+so a bus pays only for the routes it runs (the simulator builds thousands of buses), and
+the code of equal sources is compiled once. The functions are generated from the compiled
+table and nothing else: the declaration stays the one truth, and
+`tests/test_runtime_steps.py` checks them against the general step, event by event and
+seed for seed in the simulators. They run only while the bus records nothing
+(`set_fast_path`); a recording bus takes the general step, which reports each transition
+to the recorder.
 """
 
 from __future__ import annotations
@@ -30,23 +35,16 @@ from typing import TYPE_CHECKING, Any
 from kvhandoff.machines.runtime.events import Event
 
 if TYPE_CHECKING:
-    from kvhandoff.machines.runtime.compiled import CompiledMachine, Instance, Node, Route
+    from kvhandoff.machines.runtime.compiled import Instance, Node, Route
 
 Step = Callable[[Any, "Instance[Any]", Event], None]
 """`step(bus, instance, event)`: what `EventBus._step` does for one trigger in one state."""
 
-__all__ = ["Step", "compile_steps"]
+__all__ = ["Step", "compile_step"]
 
 
-def compile_steps(machine: CompiledMachine[Any]) -> None:
-    """Give every node of `machine` its `steps`: one function per trigger it declares."""
-    for node in machine.nodes.values():
-        node.steps = {
-            event: _compile(machine.name, node, route) for event, route in node.on.items()
-        }
-
-
-def _compile(machine: str, node: Node, route: Route) -> Step:
+def compile_step(machine: str, node: Node, route: Route) -> Step:
+    """The generated step of `route`, the route `node` declares for one trigger."""
     names: dict[str, object] = {}
 
     def name(prefix: str, value: object) -> str:
