@@ -261,7 +261,9 @@ def run(
 
 class _Hops:
     """A profile-shaped tracer of the request's path: calls from one kvhandoff module into
-    another (a hop), and the modules entered (`sys.setprofile`, enabled like cProfile)."""
+    another (a hop), and the modules entered (`sys.setprofile`, enabled like cProfile).
+    The bus's generated steps (`<kvhandoff step ...>`) are `EventBus._step` specialised
+    per route (`machines/runtime/steps.py`), so they count as the bus's module."""
 
     def __init__(self) -> None:
         self.hops = 0
@@ -270,13 +272,12 @@ class _Hops:
     def _trace(self, frame: object, event: str, arg: object) -> None:
         if event != "call":
             return
-        code = frame.f_code  # type: ignore[attr-defined]
-        callee = code.co_filename
-        if "kvhandoff" not in callee or "/probes/" in callee:
+        callee = _module_of(frame.f_code.co_filename)  # type: ignore[attr-defined]
+        if "kvhandoff/" not in callee or "/probes/" in callee:
             return
-        self.modules.add(callee.rsplit("kvhandoff/", 1)[-1])
+        self.modules.add(callee)
         caller = frame.f_back  # type: ignore[attr-defined]
-        if caller is not None and caller.f_code.co_filename != callee:
+        if caller is not None and _module_of(caller.f_code.co_filename) != callee:
             self.hops += 1
 
     def enable(self) -> None:
@@ -284,6 +285,14 @@ class _Hops:
 
     def disable(self) -> None:
         sys.setprofile(None)
+
+
+def _module_of(filename: str) -> str:
+    """The package-relative module of a code object's file (`kvhandoff/...`)."""
+    if filename.startswith("<kvhandoff step "):
+        return "kvhandoff/machines/runtime/bus.py"
+    _head, sep, tail = filename.rpartition("kvhandoff/")
+    return sep + tail if sep else filename
 
 
 def hops() -> dict[str, object]:
