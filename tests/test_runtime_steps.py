@@ -178,3 +178,25 @@ def test_core_generated_steps_match_the_general_step_in_the_simulator(
         logging.disable(logging.NOTSET)
     assert fast == slow
     assert sum(v["completed"] for v in fast) > 0
+
+
+def test_core_a_generated_step_shows_its_source_in_tracebacks() -> None:
+    """An error raised under a generated step names the step and shows its line (the
+    source is in `linecache`), as a hand-written function's traceback would."""
+    import traceback
+
+    bus = EventBus()
+    bus.register(D_REQUEST)
+
+    def broken(_inst: Any, _effect: object) -> None:
+        raise RuntimeError("handler failed")
+
+    bus.handle(ReportTransferred, broken)
+    bus.create(D_REQUEST, DRequestCtx("r", (1,)), 0.0)
+    bus.dispatch(D_REQUEST, "r", Drained(), 0.0)
+    with pytest.raises(RuntimeError) as caught:
+        bus.dispatch(D_REQUEST, "r", RankReceived(0), 0.0)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    step = [f for f in frames if f.filename.startswith("<kvhandoff step push.d_request.awaiting.")]
+    assert step, [f.filename for f in frames]
+    assert step[-1].line == "handler(inst, effect)"

@@ -338,7 +338,7 @@ class CompiledMachine(Generic[C]):
         route = node.on.get(event)
         if route is None or not self.generate:
             return None
-        step = node.steps[event] = compile_step(self.name, node, route)
+        step = node.steps[event] = compile_step(self.name, node, event, route)
         return step
 
     # -- counters ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ to the recorder.
 from __future__ import annotations
 
 import functools
+import linecache
 from collections.abc import Callable
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -43,8 +44,8 @@ Step = Callable[[Any, "Instance[Any]", Event], None]
 __all__ = ["Step", "compile_step"]
 
 
-def compile_step(machine: str, node: Node, route: Route) -> Step:
-    """The generated step of `route`, the route `node` declares for one trigger."""
+def compile_step(machine: str, node: Node, event: type[Event], route: Route) -> Step:
+    """The generated step of `route`, the route `node` declares for `event`."""
     names: dict[str, object] = {}
 
     def name(prefix: str, value: object) -> str:
@@ -70,7 +71,8 @@ def compile_step(machine: str, node: Node, route: Route) -> Step:
     else:
         lines += _apply(route, name, "    ")
     namespace: dict[str, Any] = dict(names)
-    code = _code("\n".join(lines) + "\n", f"<kvhandoff step {machine}.{node.name}>")
+    filename = f"<kvhandoff step {machine}.{node.name}.{event.trigger}>"
+    code = _code("\n".join(lines) + "\n", filename)
     exec(code, namespace)  # the source above, built from the compiled table only
     step: Step = namespace["step"]
     return step
@@ -79,7 +81,11 @@ def compile_step(machine: str, node: Node, route: Route) -> Step:
 @functools.lru_cache(maxsize=4096)
 def _code(source: str, filename: str) -> CodeType:
     """Compiled once per distinct source: every bus registering a kind binds the same code
-    to its own nodes (a simulation builds thousands of buses)."""
+    to its own nodes (a simulation builds thousands of buses). The source is registered
+    with `linecache` under its file name, so tracebacks and debuggers show the lines of a
+    generated step."""
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
     return compile(source, filename, "exec")
 
 
