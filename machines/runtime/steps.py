@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import linecache
+import zlib
 from collections.abc import Callable
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -71,8 +72,12 @@ def compile_step(machine: str, node: Node, event: type[Event], route: Route) -> 
     else:
         lines += _apply(route, name, "    ")
     namespace: dict[str, Any] = dict(names)
-    filename = f"<kvhandoff step {machine}.{node.name}.{event.trigger}>"
-    code = _code("\n".join(lines) + "\n", filename)
+    source = "\n".join(lines) + "\n"
+    # Named by state and trigger, and by the source's checksum: buses that watch different
+    # tags write different sources for one route, and each keeps its own lines.
+    checksum = zlib.crc32(source.encode())
+    filename = f"<kvhandoff step {machine}.{node.name}.{event.trigger} {checksum:08x}>"
+    code = _code(source, filename)
     exec(code, namespace)  # the source above, built from the compiled table only
     step: Step = namespace["step"]
     return step
