@@ -5,6 +5,11 @@ cancels it) is driven three ways in the same run: through the compiled runtime's
 `EventBus.dispatch`, through `transitions` (one Machine, models added with add_model),
 and through the hand-written baseline `obj.state = TABLE[(obj.state, event)]` on a
 slotted object. The results are ratios measured side by side, never absolute targets.
+
+`guarded_per_event_ns`: the same two steps with the second one guarded and running an
+action (`GUARDED`), through the generated step every such route takes
+(`machines/runtime/steps.py`) and through the bus's general step (`generate` off), in the
+same run.
 """
 
 from __future__ import annotations
@@ -63,6 +68,44 @@ TWO_STEP = Declaration(
 _TABLE = {("idle", "arm"): "waiting", ("waiting", "done"): "idle"}
 
 
+@dataclass(slots=True)
+class GuardedCtx:
+    key: int
+    done: int = 0
+
+
+def below_cap(ctx: GuardedCtx, event: Done) -> bool:
+    return ctx.done < 1_000_000_000
+
+
+def count_done(ctx: GuardedCtx, event: Done) -> None:
+    ctx.done += 1
+
+
+GUARDED = Declaration(
+    name="bench.guarded",
+    context=GuardedCtx,
+    description="Benchmark lifecycle: a plain transition, then a guarded one with an action.",
+    states=["idle", {"name": "waiting", "timeout": Timeout(30.0, "idle", Deadline)}],
+    initial="idle",
+    transitions=[
+        {"trigger": Arm, "source": "idle", "dest": "waiting"},
+        {
+            "trigger": Done,
+            "source": "waiting",
+            "dest": "idle",
+            "conditions": "below_cap",
+            "after": "count_done",
+        },
+        {"trigger": Done, "source": "waiting", "dest": None, "unless": "below_cap"},
+    ],
+    callbacks={"below_cap": below_cap, "count_done": count_done},
+)
+"""The same two steps, the second one guarded and with an action: a route that is not
+plain, which runs as its generated step (`machines/runtime/steps.py`) or, with
+`generate` off, as the bus's general step."""
+
+
 class _Slotted:
     __slots__ = ("state",)
 
@@ -105,6 +148,26 @@ def _kvhandoff_pass(instances: int, passes: int) -> tuple[EventBus, Callable[[],
         return 2 * passes * len(keys)
 
     return bus, run
+
+
+def _guarded_pass(instances: int, passes: int, generate: bool) -> Callable[[], int]:
+    bus = EventBus()
+    bus.register(GUARDED).generate = generate
+    keys = list(range(instances))
+    for key in keys:
+        bus.create(GUARDED, GuardedCtx(key), real_clock())
+    dispatch = bus.dispatch
+    arm, done, kind = Arm(), Done(), GUARDED
+
+    def run() -> int:
+        for _ in range(passes):
+            now = real_clock()
+            for key in keys:
+                dispatch(kind, key, arm, now)
+                dispatch(kind, key, done, now)
+        return 2 * passes * len(keys)
+
+    return run
 
 
 def handwritten_step(obj: _Slotted, event: str) -> None:
@@ -185,8 +248,11 @@ def run_dispatch_bench(
     _, small = _kvhandoff_pass(1_000, 200 // scale)
     _, large = _kvhandoff_pass(100_000, 2)
     transitions_run = _transitions_pass(2_000, 10 // scale or 1)
+    generated_run = _guarded_pass(2_000, 100 // scale, generate=True)
+    general_run = _guarded_pass(2_000, 100 // scale, generate=False)
     best = {"handwritten": float("inf"), "kvhandoff": float("inf"), "1000": float("inf")}
     best |= {"100000": float("inf"), "transitions": float("inf")}
+    best |= {"generated": float("inf"), "general": float("inf")}
     traced = None
     if trace:  # the same runner with the transition trace on (reported, not asserted)
         from kvhandoff.bench.dispatch_trace import traced_pass
@@ -200,6 +266,8 @@ def run_dispatch_bench(
         best["kvhandoff"] = min(best["kvhandoff"], _best_of(1, kv_run))
         best["1000"] = min(best["1000"], _best_of(1, small))
         best["100000"] = min(best["100000"], _best_of(1, large))
+        best["generated"] = min(best["generated"], _best_of(1, generated_run))
+        best["general"] = min(best["general"], _best_of(1, general_run))
         if round_ < max(1, repeats // 2):
             best["transitions"] = min(best["transitions"], _best_of(1, transitions_run))
         if traced is not None:
@@ -219,10 +287,17 @@ def run_dispatch_bench(
         },
         "per_event_ns_at": {"1000": round(best["1000"], 1), "100000": round(best["100000"], 1)},
         "bytes_per_instance": round(per_instance, 1),
+        # A plain event and a guarded one with an action, per event: the generated step
+        # against the bus's general step, in the same run.
+        "guarded_per_event_ns": {
+            "generated": round(best["generated"], 1),
+            "general": round(best["general"], 1),
+        },
         "ratios": {
             "kvhandoff_over_handwritten": round(kvhandoff / handwritten, 2),
             "transitions_over_kvhandoff": round(transitions / kvhandoff, 2),
             "at_100000_over_1000": round(best["100000"] / best["1000"], 2),
+            "guarded_generated_over_general": round(best["generated"] / best["general"], 2),
         },
     }
     if traced is not None:

@@ -103,4 +103,5 @@ def test_core_bench_dispatch_json_shape() -> None:
     last = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(last["per_event_ns"]) == {"kvhandoff", "transitions", "handwritten"}
     assert set(last["per_event_ns_at"]) == {"1000", "100000"}
+    assert set(last["guarded_per_event_ns"]) == {"generated", "general"}
     assert last["bytes_per_instance"] > 0
