@@ -128,16 +128,23 @@ def _best_of(repeats: int, run: Callable[[], int]) -> float:
     return best
 
 
-def _kvhandoff_pass(instances: int, passes: int) -> tuple[EventBus, Callable[[], int]]:
+def _kvhandoff_pass(
+    instances: int,
+    passes: int,
+    kind: Declaration[Any] = TWO_STEP,
+    context: Callable[[int], object] = TwoStepCtx,
+    generate: bool = True,
+) -> tuple[EventBus, Callable[[], int]]:
     """Typed events (one object per event class, as callers hold them) and `now` from the
-    production clock read once per engine step, as an adapter does."""
+    production clock read once per engine step, as an adapter does. `generate=False` runs
+    every route that is not plain through the bus's general step."""
     bus = EventBus()
-    bus.register(TWO_STEP)
+    bus.register(kind).generate = generate
     keys = list(range(instances))
     for key in keys:
-        bus.create(TWO_STEP, TwoStepCtx(key), real_clock())
+        bus.create(kind, context(key), real_clock())
     dispatch = bus.dispatch
-    arm, done, kind = Arm(), Done(), TWO_STEP
+    arm, done = Arm(), Done()
 
     def run() -> int:
         for _ in range(passes):
@@ -151,23 +158,7 @@ def _kvhandoff_pass(instances: int, passes: int) -> tuple[EventBus, Callable[[],
 
 
 def _guarded_pass(instances: int, passes: int, generate: bool) -> Callable[[], int]:
-    bus = EventBus()
-    bus.register(GUARDED).generate = generate
-    keys = list(range(instances))
-    for key in keys:
-        bus.create(GUARDED, GuardedCtx(key), real_clock())
-    dispatch = bus.dispatch
-    arm, done, kind = Arm(), Done(), GUARDED
-
-    def run() -> int:
-        for _ in range(passes):
-            now = real_clock()
-            for key in keys:
-                dispatch(kind, key, arm, now)
-                dispatch(kind, key, done, now)
-        return 2 * passes * len(keys)
-
-    return run
+    return _kvhandoff_pass(instances, passes, GUARDED, GuardedCtx, generate)[1]
 
 
 def handwritten_step(obj: _Slotted, event: str) -> None:

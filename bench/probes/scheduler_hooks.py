@@ -21,58 +21,78 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from kvhandoff.machines.push.meta import PushWorkerOutput
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
 
 
-def _decode(requests: int, reps: int) -> dict[str, float]:
-    sched = PushScheduler("decode", LocalEngine("probe-decode", "127.0.0.1", 5700))
-    prefill = PrefillCoordinates("probe-prefill", "127.0.0.1", 5600, 1)
-    phases: dict[str, list[float]] = {"alloc": [], "meta": [], "out": []}
+def _timed_steps(
+    sched: PushScheduler,
+    first: str,
+    begin: Callable[[list[str], list[Any], float], None],
+    prepare: Callable[[list[str]], list[Any]],
+    report: Callable[[int, tuple[str, ...]], PushWorkerOutput],
+    requests: int,
+    reps: int,
+) -> dict[str, float]:
+    """Per rep: `begin` the requests (timed as `first`) with what `prepare` built for them
+    untimed, one `build_connector_meta`, and one rank's report ending all of them; the
+    median µs per request of each phase."""
+    phases: dict[str, list[float]] = {first: [], "meta": [], "out": []}
     now = 1.0
     for rep in range(reps):
         ids = [f"cmpl-{rep}-{q}-0" for q in range(requests)]
-        legs = [decode_leg({"request_id": i}, prefill)["kv_transfer_params"] for i in ids]
+        prepared = prepare(ids)
         t0 = time.perf_counter()
-        for request_id, leg in zip(ids, legs, strict=True):
-            sched.update_state_after_alloc(request_id, [1, 2], leg, now)
+        begin(ids, prepared, now)
         t1 = time.perf_counter()
         meta = sched.build_connector_meta(now)
         t2 = time.perf_counter()
-        report = PushWorkerOutput(rank=0, step=meta.step, finished_recving=tuple(ids))
-        out = sched.update_connector_output([report], now)
+        out = sched.update_connector_output([report(meta.step, tuple(ids))], now)
         t3 = time.perf_counter()
-        if len(out.finished_recving) != requests:
-            raise RuntimeError(f"{len(out.finished_recving)} of {requests} received")
+        ended = len(out.finished_recving) + len(out.finished_sending)
+        if ended != requests:
+            raise RuntimeError(f"{ended} of {requests} requests ended")
         for name, spent in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             phases[name].append(spent * 1e6 / requests)
         now += 0.001
     return {name: round(statistics.median(v), 3) for name, v in phases.items()}
+
+
+def _decode(requests: int, reps: int) -> dict[str, float]:
+    sched = PushScheduler("decode", LocalEngine("probe-decode", "127.0.0.1", 5700))
+    prefill = PrefillCoordinates("probe-prefill", "127.0.0.1", 5600, 1)
+
+    def legs(ids: list[str]) -> list[Any]:
+        return [decode_leg({"request_id": i}, prefill)["kv_transfer_params"] for i in ids]
+
+    def begin(ids: list[str], legs: list[Any], now: float) -> None:
+        for request_id, leg in zip(ids, legs, strict=True):
+            sched.update_state_after_alloc(request_id, [1, 2], leg, now)
+
+    def report(step: int, ids: tuple[str, ...]) -> PushWorkerOutput:
+        return PushWorkerOutput(rank=0, step=step, finished_recving=ids)
+
+    return _timed_steps(sched, "alloc", begin, legs, report, requests, reps)
 
 
 def _prefill(requests: int, reps: int) -> dict[str, float]:
     sched = PushScheduler("prefill", LocalEngine("probe-prefill", "127.0.0.1", 5600))
-    phases: dict[str, list[float]] = {"finish": [], "meta": [], "out": []}
-    now = 1.0
-    for rep in range(reps):
-        ids = [f"cmpl-{rep}-{q}-0" for q in range(requests)]
-        t0 = time.perf_counter()
-        for request_id in ids:
-            sched.request_finished(request_id, [1, 2], {"do_remote_decode": True}, now)
-        t1 = time.perf_counter()
-        meta = sched.build_connector_meta(now)
-        t2 = time.perf_counter()
-        report = PushWorkerOutput(rank=0, step=meta.step, finished_sending=tuple(ids))
-        out = sched.update_connector_output([report], now)
-        t3 = time.perf_counter()
-        if len(out.finished_sending) != requests:
-            raise RuntimeError(f"{len(out.finished_sending)} of {requests} sent")
-        for name, spent in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            phases[name].append(spent * 1e6 / requests)
-        now += 0.001
-    return {name: round(statistics.median(v), 3) for name, v in phases.items()}
+
+    def params(ids: list[str]) -> list[Any]:
+        return [{"do_remote_decode": True} for _ in ids]
+
+    def begin(ids: list[str], params: list[Any], now: float) -> None:
+        for request_id, leg in zip(ids, params, strict=True):
+            sched.request_finished(request_id, [1, 2], leg, now)
+
+    def report(step: int, ids: tuple[str, ...]) -> PushWorkerOutput:
+        return PushWorkerOutput(rank=0, step=step, finished_sending=ids)
+
+    return _timed_steps(sched, "finish", begin, params, report, requests, reps)
 
 
 def main() -> None:
