@@ -262,8 +262,9 @@ def run(
 class _Hops:
     """A profile-shaped tracer of the request's path: calls from one kvhandoff module into
     another (a hop), and the modules entered (`sys.setprofile`, enabled like cProfile).
-    The bus's generated steps (`<kvhandoff step ...>`) are `EventBus._step` specialised
-    per route (`machines/runtime/steps.py`), so they count as the bus's module."""
+    The bus's generated steps (`<kvhandoff step ...>`) are its general step specialised
+    per route (`machines/runtime/steps.py`), so they count as that step's module,
+    `delivery.py`."""
 
     def __init__(self) -> None:
         self.hops = 0
@@ -290,7 +291,7 @@ class _Hops:
 def _module_of(filename: str) -> str:
     """The package-relative module of a code object's file (`kvhandoff/...`)."""
     if filename.startswith("<kvhandoff step "):
-        return "kvhandoff/machines/runtime/bus.py"
+        return "kvhandoff/machines/runtime/delivery.py"
     _head, sep, tail = filename.rpartition("kvhandoff/")
     return sep + tail if sep else filename
 
@@ -312,7 +313,7 @@ def count(requests: int, blocks_per_request: int, reps: int) -> dict[str, float]
     dispatches = sum(
         entry[1]
         for (filename, _line, name), entry in stats.stats.items()  # type: ignore[attr-defined]
-        if name in ("dispatch", "dispatch_many") and filename.endswith("runtime/bus.py")
+        if name in ("dispatch", "dispatch_many") and filename.endswith("runtime/delivery.py")
     )
     return {
         "requests": requests,
