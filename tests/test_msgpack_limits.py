@@ -126,10 +126,11 @@ def test_S_01_a_push_reg_full_of_strings_is_refused_after_its_cap_of_others() ->
     """A hostile `PUSH_REG` of about 1 MiB of short strings is refused by the cap on
     objects other than integers, long before the object cap (the walk's cost is bounded
     by the cap, not by the message); a real registration passes."""
+    from push_wire_strategies import sample_registration
+
     from kvhandoff.protocol.push_wire import (
         MAX_PUSH_REG_OTHER,
         PUSH_REG_PREFIX,
-        PushRegistration,
         decode_push_reg,
         encode_push_reg,
     )
@@ -138,16 +139,5 @@ def test_S_01_a_push_reg_full_of_strings_is_refused_after_its_cap_of_others() ->
     assert len(hostile) > 800_000
     with pytest.raises(RemoteProtocolError, match=f"more than {MAX_PUSH_REG_OTHER} objects other"):
         decode_push_reg(hostile)
-    reg = PushRegistration(
-        request_id="cmpl-1-0-aaaaaaaa",
-        decode_engine_id="D",
-        decode_host="127.0.0.1",
-        decode_port=5600,
-        decode_tp_size=1,
-        block_ids=tuple(range(4096)),
-        remote_engine_id="P",
-        remote_host="127.0.0.1",
-        remote_port=5500,
-        remote_tp_size=1,
-    )
+    reg = sample_registration(block_ids=tuple(range(4096)))
     assert decode_push_reg(encode_push_reg(reg)).block_ids == reg.block_ids
