@@ -39,6 +39,7 @@ from kvhandoff.adapters.push_rank_writer import (
 )
 from kvhandoff.adapters.push_transport import PushTransport, TransferHandle, peer_gone
 from kvhandoff.machines.kv.effects import (
+    CancelWrites,
     DroppedRegistration,
     EvictRegistration,
     PollTransfer,
@@ -122,7 +123,10 @@ class PushRank(RankWriterSide):
         # Writer thread.
         self.writer = PushWriter(role, engine_id, self.config, mode, rank=rank, started_at=wall())
         self.writer_bus = self.writer.bus
+        transport.bind_bus(self.writer_bus)  # B-13: its batched WRITEs are the writer's
         self.self_poll_interval_s: float | None = None
+        self.writes_in_flight = 0
+        """Batched WRITEs in flight after the last writer pass (it polls them, B-13)."""
         self.dropped_observers: list[Callable[[DroppedRegistration], None]] = []
         # Hand-offs (deque append/popleft are atomic: one producer side, one consumer).
         self.writer_inbox: deque[WriterCommand] = deque()
@@ -133,6 +137,17 @@ class PushRank(RankWriterSide):
         self.wake = threading.Event()
         self.failed_transfers = 0
         self._register_main_handlers()
+
+    @property
+    def writer_poll_interval_s(self) -> float | None:
+        """How long the writer thread sleeps without a wake: its self-poll interval while
+        P's finished blocks wait for a registration (R-P07) or WRITEs are in flight (the
+        writer settles them, B-13); None: until woken."""
+        if self.writes_in_flight:
+            interval = self.writer.poll_interval_s
+            own = self.self_poll_interval_s
+            return interval if own is None else min(own, interval)
+        return self.self_poll_interval_s
 
     # -- engine entry points (main thread) -----------------------------------------------
 
@@ -185,6 +200,7 @@ class PushRank(RankWriterSide):
         bus.handle(WakeWriter, lambda _i, _e: self.wake.set())
         bus.handle(PollTransfer, self._poll_transfer)
         bus.handle(ReleaseTransfer, self._release_transfer)
+        bus.handle(CancelWrites, self._cancel_writes)
 
     def _to_writer(self, _inst: Instance[object] | None, command: WriterCommand) -> None:
         self.writer_inbox.append(command)
@@ -238,6 +254,13 @@ class PushRank(RankWriterSide):
         self.failed_transfers += len(handles)
         for _rank, handle in handles:
             self._release(handle)
+
+    def _cancel_writes(self, inst: Instance[object] | None, effect: CancelWrites) -> None:
+        """The WRITEs timed out: release their handles here, then the writer cancels the
+        batched ones still in flight and answers `WritesCancelled` (R-P08: it owns them)."""
+        self._release_transfer(inst, ReleaseTransfer(effect.request_id))
+        self.writer_inbox.append(effect)
+        self.wake.set()
 
     def _release(self, handle: TransferHandle | None) -> None:
         if handle is None:  # a READ that never posted

@@ -40,6 +40,7 @@ from kvhandoff.machines.kv.effects import (
     ReportToMain,
     SendPushFail,
     SendPushReg,
+    SettleCancelled,
     StartHandshake,
     WriterCommand,
 )
@@ -49,6 +50,7 @@ from kvhandoff.machines.kv.events import (
     RegSent,
     SendFailed,
     WritePosted,
+    WritesCancelled,
     WriteSubmitFailed,
 )
 from kvhandoff.machines.push.scheduler import Mode, Role
@@ -93,6 +95,7 @@ class RankWriterSide:
     physical_blocks_per_logical: int
     writer: PushWriter
     self_poll_interval_s: float | None
+    writes_in_flight: int
     writer_inbox: deque[WriterCommand]
     peer_lost_inbox: deque[str]
     handshake_results: deque[HandshakeResult]
@@ -112,6 +115,8 @@ class RankWriterSide:
         now = self.clock()
         wall = self.wall_clock() if self.key is not None else None
         handled = 0
+        if self.writes_in_flight:  # B-13: what landed since the last pass notifies D first
+            self.writes_in_flight = self.transport.complete_writes(now)
         while self.peer_lost_inbox:
             writer.on_peer_lost(self.peer_lost_inbox.popleft(), now)
             self._execute(now)
@@ -147,6 +152,7 @@ class RankWriterSide:
         writer.advance(now)  # pending registrations, tombstones, handshakes, idle engines
         self._execute(now)
         self._flush_writes(now)
+        self.writes_in_flight = self.transport.complete_writes(now)
         return handled
 
     def _flush_writes(self, now: float) -> None:
@@ -184,6 +190,9 @@ class RankWriterSide:
         elif isinstance(effect, DroppedRegistration):
             for observe in self.dropped_observers:
                 observe(effect)
+        elif isinstance(effect, SettleCancelled):
+            self.writes_in_flight = self.transport.complete_writes(now)
+            self._report(effect.request_id, WritesCancelled())
         elif isinstance(effect, ArmSelfPoll):
             self.self_poll_interval_s = effect.interval_s
         elif isinstance(effect, DisarmSelfPoll):

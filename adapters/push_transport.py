@@ -10,7 +10,10 @@ tp_rank``): `connect` loads the agents of every rank of a remote engine (from th
 rank moves data with, each cut into the chunks the TP mapping asks for (R-T03).
 `connect` runs on the handshake executor; everything else on the writer thread, except
 `send_notif` for heartbeats and `poll` / `release` (main thread), as the seed prescribes,
-and `progress` (main thread, first in every engine step).
+and `progress` (main thread, first in every engine step). A batched WRITE (B-13) is
+driven by the writer alone (`complete_writes` polls it and sends its completion notifs,
+R-P08); the main thread's `poll` reads the outcome the writer published and its
+`release` hands the handle to the writer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.protocol.errors import KvHandoffError
 from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
@@ -136,6 +140,18 @@ class PushTransport(Protocol):
         per remote rank; a handle's `poll` says "PROC" until its WRITE was flushed. Returns
         (engine id, error) for each transfer that failed to post (its handles poll "ERR").
         The writer thread flushes at the end of every writer pass."""
+        ...
+
+    def complete_writes(self, now: float) -> int:
+        """Writer thread, each pass: settle the batched WRITEs whose transfer ended (a
+        landed one's completion notifs leave here, after its bytes) and cancel those the
+        main thread released in flight. Returns how many are still in flight: the writer
+        polls again after its self-poll interval while any is (R-P07)."""
+        ...
+
+    def bind_bus(self, bus: EventBus) -> None:
+        """The writer's bus: the transport's batched WRITEs (`push.write_batch`) run on
+        it, so one thread owns every lifecycle of the rank's writer side."""
         ...
 
     def read_blocks(

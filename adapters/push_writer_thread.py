@@ -60,7 +60,7 @@ class PushWriterThread:
     def _run(self) -> None:
         rank = self.rank
         while not self._stop.is_set():
-            interval = rank.self_poll_interval_s
+            interval = rank.writer_poll_interval_s
             rank.wake.wait(self.idle_timeout_s if interval is None else interval)
             rank.wake.clear()
             try:

@@ -30,6 +30,7 @@ from kvhandoff.machines.push.match import MATCH
 from kvhandoff.machines.push.p_lease import P_LEASE
 from kvhandoff.machines.push.p_request import P_REQUEST
 from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
+from kvhandoff.machines.push.write_batch import WRITE_BATCH
 from kvhandoff.machines.runtime.declaration import Declaration
 
 PUSH_DECLARATIONS: tuple[Declaration[Any], ...] = (
@@ -39,6 +40,7 @@ PUSH_DECLARATIONS: tuple[Declaration[Any], ...] = (
     P_LEASE,
     MATCH,
     REMOTE_ENGINE,
+    WRITE_BATCH,
     IPC_PEER,
 )
 

@@ -153,7 +153,7 @@ def test_B_13_a_batch_toward_a_bundling_d_is_one_notif_on_the_wire(sides: tuple)
     assert p.transport.flush_writes() == []
     deadline = time.monotonic() + 20.0
     while "PROC" in [p.transport.poll(h) for h in handles] and time.monotonic() < deadline:
-        pass
+        p.transport.complete_writes(time.monotonic())  # P's writer pass settles the batch
     assert [p.transport.poll(h) for h in handles] == ["DONE"] * 5
     ((sender, wire),) = _raw_notifs(d, 1)
     assert sender == p.agent.name and wire.startswith(NOTIF_BUNDLE_PREFIX)

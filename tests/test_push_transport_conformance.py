@@ -117,9 +117,15 @@ class SimHarness:
         self.b = SimSide(self.network, "engine-b", MEMBERS_B)
 
     def pump(self) -> None:
-        """Everything in flight arrives (and whatever that posts, in turn)."""
-        while self.network.in_flight:
-            self.network.deliver(0)
+        """Everything in flight arrives (and whatever that posts, in turn); each side's
+        writer settles its batched WRITEs (B-13), as its writer pass does."""
+        while True:
+            while self.network.in_flight:
+                self.network.deliver(0)
+            for side in (self.a, self.b):
+                side.transport.complete_writes(self.network.clock.now)
+            if not self.network.in_flight:
+                return
 
     def close(self) -> None:
         pass
@@ -176,6 +182,8 @@ class NixlHarness:
 
     def pump(self) -> None:
         time.sleep(0.001)  # UCX progresses on its own thread; the caller's deadline bounds
+        for side in (self.a, self.b):  # each writer settles its batched WRITEs (B-13)
+            side.transport.complete_writes(time.monotonic())
 
     def close(self) -> None:
         self.a.close()
@@ -397,9 +405,20 @@ def test_B_13_the_writes_of_one_flush_land_then_one_notif_per_request(pair: Harn
     assert b.transport.get_new_notifs() == [], "no notif of the batch itself"
 
 
+def _transfer_of(transport: Any, handle: Any) -> Any:
+    """The NIXL transfer of a posted request's `push.write_batch` instance."""
+    from kvhandoff.machines.push.write_batch import WRITE_BATCH
+
+    inst = transport.batcher.bus.get(WRITE_BATCH, handle.batch_key)
+    assert inst is not None, "posted and not settled"
+    return inst.ctx.transfer
+
+
 def _nixl_only(pair: Harness) -> Any:
     if pair.kind != "nixl":
-        pytest.skip("batching is the NIXL transport's (the simulator posts each WRITE)")
+        pytest.skip(
+            "drives the NIXL agent's calls; the simulator's batches: test_push_batched_writes.py"
+        )
     return pair.a.transport
 
 
@@ -469,12 +488,16 @@ def test_B_13_a_batch_completing_in_error_fails_every_request_and_sends_no_notif
         transport.write_blocks(engine_b, 0, [i], [i], f"req-e{i}:1".encode()) for i in (1, 2)
     ]
     assert transport.flush_writes() == []
-    batch = handles[0].batch
-    assert batch is handles[1].batch
-    wait_for(pair, lambda: agent.poll(batch.handle) != "PROC" or None, "the batch")
-    batch.handle.xfer_status = "ERR"  # as a failed transfer leaves it
+    transfer = _transfer_of(transport, handles[0])
+    assert transfer is _transfer_of(transport, handles[1])
+    assert [transport.poll(h) for h in handles] == ["PROC", "PROC"], "until the writer settles"
+    while agent.poll(transfer) == "PROC":  # bounded by the test's timeout
+        time.sleep(0.001)
+    transfer.xfer_status = "ERR"  # as a failed transfer leaves it
+    transport.complete_writes(time.monotonic())
     assert [transport.poll(h) for h in handles] == ["ERR", "ERR"]
     assert sent == []
+    assert transfer.released, "a settled batch frees its transfer"
     for handle in handles:
         transport.release(handle)
 
@@ -505,10 +528,12 @@ def test_B_13_releasing_a_request_in_flight_cancels_its_whole_batch(
         transport.write_blocks(engine_b, 0, [i], [i], f"req-c{i}:1".encode()) for i in (1, 2)
     ]
     assert transport.flush_writes() == []
-    batch = handles[0].batch
+    transfer = _transfer_of(transport, handles[0])
     monkeypatch.setattr(agent, "poll", lambda _handle: "PROC")  # still in flight
     transport.release(handles[0])
-    assert batch.handle.released, "the batch's NIXL transfer was released (cancelled)"
+    assert not transfer.released, "the main thread only hands the release to the writer"
+    assert transport.complete_writes(time.monotonic()) == 0
+    assert transfer.released, "the batch's NIXL transfer was released (cancelled)"
     assert transport.poll(handles[1]) == "ERR"
     transport.release(handles[1])
 

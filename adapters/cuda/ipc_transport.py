@@ -386,6 +386,14 @@ class IpcPushTransport:
             self._launch_queued()
         return self.inner.flush_writes()
 
+    def complete_writes(self, now: float) -> int:
+        """Writer thread: the NIXL-batched WRITEs' (the IPC launches complete in
+        `progress` / `poll` / `get_new_notifs`)."""
+        return self.inner.complete_writes(now)
+
+    def bind_bus(self, bus: EventBus) -> None:
+        self.inner.bind_bus(bus)
+
     def flush(self) -> None:
         """Launch what is queued and send the notifs of finished launches."""
         self._progress()

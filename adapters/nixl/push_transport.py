@@ -24,7 +24,7 @@ from typing import Any
 
 from kvhandoff.adapters.clock import real_clock
 from kvhandoff.adapters.nixl.agent import NixlAgent, PreppedBlocks, XferHandle
-from kvhandoff.adapters.nixl.push_batch import BatchedWrite, WriteBatcher
+from kvhandoff.adapters.nixl.push_batch import BatchedWrite, NixlBatchIO, WriteBatcher
 from kvhandoff.adapters.push_transport import (
     EngineInfo,
     RankInfo,
@@ -33,6 +33,7 @@ from kvhandoff.adapters.push_transport import (
     XferState,
 )
 from kvhandoff.adapters.zmq.side_channel import fetch_rank_handshakes
+from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.machines.runtime.rejections import RejectionLog
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
@@ -148,7 +149,7 @@ class NixlPushTransport:
         self._local: dict[int, PreppedBlocks] = {1: self._prep_local(1)}
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, tuple[str, int]] = {}
-        self.batcher = WriteBatcher(agent, self.send_notifs)
+        self.batcher: WriteBatcher = WriteBatcher(NixlBatchIO(agent, self.send_notifs))
 
     @property
     def agent_name(self) -> str:
@@ -374,6 +375,15 @@ class NixlPushTransport:
     def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
         """Post the WRITEs queued since the last flush, one transfer per D rank (B-13)."""
         return self.batcher.flush()
+
+    def complete_writes(self, now: float) -> int:
+        """Writer thread: settle the batched WRITEs that ended (their completion notifs
+        leave here); returns how many are still in flight (B-13, R-P08)."""
+        return self.batcher.complete(now)
+
+    def bind_bus(self, bus: EventBus) -> None:
+        """The writer's bus: the batched WRITEs' lifecycles run on it."""
+        self.batcher.bind(bus)
 
     def progress(self) -> None:
         """NIXL transfers progress on their own (the agent's progress thread or polls)."""

@@ -57,6 +57,7 @@ from kvhandoff.adapters.push_transport import (
     XferState,
 )
 from kvhandoff.machines.push.scheduler import LocalEngine
+from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError
 from kvhandoff.protocol.handshake import EngineHandshake, HandshakePayload
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
@@ -165,6 +166,12 @@ class MemoryTransport:
         return handle.xfer_status
 
     def progress(self) -> None:
+        return None
+
+    def complete_writes(self, now: float) -> int:
+        return 0  # completed by the main thread's poll, as the CUDA IPC transport does
+
+    def bind_bus(self, bus: EventBus) -> None:
         return None
 
     def release(self, handle: TransferHandle) -> None:

@@ -257,11 +257,12 @@ class SimEngine:
         1 ms after a notif reaches its agent, not every 1 ms.
         """
         side = self.side.ranks[rank]
-        inbox = self.transports[rank].inbox
-        interval = side.self_poll_interval_s
+        transport = self.transports[rank]
+        inbox = transport.inbox
+        interval = side.writer_poll_interval_s
         last = self.last_writer_pass[rank]
-        if interval is not None and inbox:
-            return last + interval
+        if interval is not None and (inbox or transport.batcher.any_ended()):
+            return last + interval  # B-13: it settles a batch that ended, as the thread does
         deadline = side.writer_bus.next_deadline()
         if not inbox and deadline is None:
             return float("inf")
@@ -300,12 +301,14 @@ class SimEngine:
         side.wake.clear()
         self.last_writer_pass[rank] = self.world.clock.now
         before = len(side.pending_completion_notifs)
+        batcher = self.transports[rank].batcher
+        settled = batcher.batches_settled
         try:
             side.writer_pass()
         except Exception as exc:  # the real thread logs and keeps running
             self.world.ledger.violation(f"{self.role} rank {rank} writer pass raised {exc!r}")
-        if len(side.pending_completion_notifs) != before:
-            self.dirty = True
+        if len(side.pending_completion_notifs) != before or batcher.batches_settled != settled:
+            self.dirty = True  # B-13: a settled WRITE is for the engine's next poll
 
     def run_job(self, index: int | None = None) -> None:
         if index is None:

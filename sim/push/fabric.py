@@ -73,9 +73,12 @@ class SimTransfer:
     members: tuple[SimTransfer, ...] = ()
     """B-13: the requests' WRITEs a batched transfer carries (`batch.py`)."""
     batch: SimTransfer | None = None
+    """B-13: the batched transfer that carries this request's WRITE, once flushed."""
     post_failed: bool = False
     """B-13: the batched transfer that was to carry it failed to post."""
-    """B-13: the batched transfer that carries this request's WRITE, once flushed."""
+    error: str | None = None
+    batch_key: int = 0
+    """B-13: its `push.write_batch` instance, once posted (0: not posted)."""
 
 
 @dataclass(eq=False, slots=True)

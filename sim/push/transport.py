@@ -31,6 +31,7 @@ from kvhandoff.adapters.push_transport import (
     TransferHandle,
     XferState,
 )
+from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.protocol.errors import KvHandoffError, LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.handshake import (
     HANDSHAKE_PROTOCOL_VERSION,
@@ -47,7 +48,7 @@ from kvhandoff.protocol.member_routing import (
     derive_member_major_layout,
 )
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
-from kvhandoff.sim.push.batch import SimWriteBatcher
+from kvhandoff.sim.push.batch import SimWriteBatcher, sim_write_batcher
 from kvhandoff.sim.push.errors import SimTransportError
 from kvhandoff.sim.push.fabric import SimNetwork, SimTransfer
 
@@ -112,7 +113,7 @@ class SimPushTransport:
         self.inbox: deque[tuple[str, bytes]] = deque()
         self._peers: dict[str, _SimPeer] = {}
         self._agents: dict[str, tuple[str, int]] = {}
-        self.batcher = SimWriteBatcher(self)
+        self.batcher: SimWriteBatcher = sim_write_batcher(self)
         network.attach(self)
 
     # -- the handshake (R-P15, R-P14) -------------------------------------------------
@@ -250,6 +251,12 @@ class SimPushTransport:
     def flush_writes(self) -> list[tuple[str, KvHandoffError]]:
         """B-13: one transfer per D agent for the WRITEs queued since the last flush."""
         return self.batcher.flush()
+
+    def complete_writes(self, now: float) -> int:
+        return self.batcher.complete(now)
+
+    def bind_bus(self, bus: EventBus) -> None:
+        self.batcher.bind(bus)
 
     def progress(self) -> None:
         """The network delivers transfers when the world says so: nothing to do here."""

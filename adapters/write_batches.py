@@ -1,0 +1,280 @@
+"""Batched WRITEs of one worker rank (B-13), for any transport: the queue, the posts and
+the `push.write_batch` instances on the writer's bus. One implementation for the real
+NIXL transport (`nixl/push_batch.py`) and the simulator's (`sim/push/batch.py`), which
+only say how a transfer is posted, polled, released and notified (`BatchIO`).
+
+`write_blocks` queues a request's WRITE (its arguments were checked already). The writer
+calls `flush` at the end of each pass: the WRITEs queued since the last flush leave as
+ONE transfer per group (D rank and local descriptor list), with every descriptor of
+every request in it and no notif attached. With `post_every` K, the K-th WRITE queued
+for one group posts those K at once, so the transfer overlaps the rest of the pass.
+Each posted transfer is a `push.write_batch` instance; the writer's `complete` polls the
+ones in flight, and the machine sends the completion notifs of a transfer that landed,
+then publishes each request's outcome on its handle.
+
+Threads: `queue`, `flush` and `complete` run on the writer thread, which owns the bus.
+The main thread calls `poll` (it reads the outcome the writer published: one attribute)
+and `release` (it marks the handle and hands it to the writer, which cancels an
+in-flight transfer at its next `complete`). No lock: a handle's `xfer_status` is written
+by the writer only, its `released` flag by the main thread only.
+
+Failure: a transfer that fails to post fails its requests at once ("ERR", `post_failed`
+set, B-14 counts them under "post"); one that ends in error, or whose notifs cannot be
+sent, fails its requests; a request released in flight cancels its whole transfer (see
+`push.write_batch`). A request released before the flush is never posted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Hashable
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+from kvhandoff.adapters.push_transport import XferState
+from kvhandoff.machines.push.write_batch import (
+    WRITE_BATCH,
+    BatchCancelled,
+    CancelTransfer,
+    NotifsFailed,
+    NotifsSent,
+    SendCompletionNotifs,
+    SettleMembers,
+    TransferFailed,
+    TransferLanded,
+    WriteBatchCtx,
+)
+from kvhandoff.machines.runtime.bus import EventBus
+from kvhandoff.machines.runtime.compiled import Instance
+from kvhandoff.protocol.errors import KvHandoffError
+
+log = logging.getLogger(__name__)
+
+
+class BatchMember(Protocol):
+    """A request's handle: what `write_blocks` returns."""
+
+    notif: bytes
+    xfer_status: XferState
+    released: bool
+    post_failed: bool
+    error: str | None
+    batch_key: int
+
+
+M = TypeVar("M", bound=BatchMember)
+
+
+class BatchIO(Protocol[M]):
+    """How one transport posts, polls, releases and notifies a batched transfer."""
+
+    def group(self, write: M) -> Hashable:
+        """Writes that can share one transfer have equal groups."""
+        ...
+
+    def post(self, members: list[M]) -> object:
+        """Post one transfer carrying every member's descriptors, no notif; raises
+        `KvHandoffError` when it cannot."""
+        ...
+
+    def state(self, transfer: object) -> tuple[XferState, str]:
+        """The transfer's state, and its error text once it failed."""
+        ...
+
+    def release(self, transfer: object) -> None:
+        """Free the transfer (cancelling it while in flight). Idempotent."""
+        ...
+
+    def send_notifs(self, first: M, notifs: tuple[bytes, ...]) -> None:
+        """Send the completion notifs to the members' D rank; raises `KvHandoffError`."""
+        ...
+
+    def engine_of(self, write: M) -> tuple[str, int]:
+        """(D engine id, D rank) of a write."""
+        ...
+
+
+class WriteBatches(Generic[M]):
+    """The queue of one rank's WRITEs and the `push.write_batch` instances posted from it."""
+
+    def __init__(self, io: BatchIO[M], post_every: int = 0, bus: EventBus | None = None) -> None:
+        self.io = io
+        self.post_every = post_every
+        """Queued WRITEs of one group that are posted at once, before the pass ends (0:
+        never)."""
+        self._queued: list[M] = []
+        self._errors: list[tuple[str, KvHandoffError]] = []  # early posts', for `flush`
+        self._releases: deque[M] = deque()  # main -> writer
+        self._serial = 0
+        self.batches_posted = 0
+        """Transfers posted (one per flush per group)."""
+        self.writes_batched = 0
+        """Request WRITEs those transfers carried."""
+        self.batches_settled = 0
+        """Transfers whose requests' outcomes were published (done, failed, cancelled)."""
+        self.bus = EventBus()
+        self._bind(self.bus)
+        if bus is not None:
+            self.bind(bus)
+
+    def bind(self, bus: EventBus) -> None:
+        """Run the batches on `bus` (the writer's) from now on; none may be in flight."""
+        if self.bus.live(WRITE_BATCH):
+            raise KvHandoffError("cannot move batched WRITEs to another bus while in flight")
+        self.bus = bus
+        self._bind(bus)
+
+    def _bind(self, bus: EventBus) -> None:
+        if WRITE_BATCH.name not in bus.kinds():
+            bus.register(WRITE_BATCH)
+        bus.handle(SendCompletionNotifs, self._send_notifs)
+        bus.handle(CancelTransfer, self._cancel)
+        bus.handle(SettleMembers, self._settle)
+
+    # -- the writer thread ---------------------------------------------------------------
+
+    def queue(self, write: M) -> M:
+        self._queued.append(write)
+        if self.post_every:
+            group = self.io.group
+            key = group(write)
+            members = [w for w in self._queued if not w.released and group(w) == key]
+            if len(members) >= self.post_every:
+                posted = {id(w) for w in members}
+                self._queued = [w for w in self._queued if id(w) not in posted]
+                error = self._post(members)
+                if error is not None:
+                    self._errors.append((self.io.engine_of(write)[0], error))
+        return write
+
+    def flush(self) -> list[tuple[str, KvHandoffError]]:
+        """Post what is queued, one transfer per group; returns the (engine id, error) of
+        each transfer that failed to post since the last flush (its requests are "ERR")."""
+        queued, self._queued = self._queued, []
+        groups: dict[Hashable, list[M]] = {}
+        group = self.io.group
+        for write in queued:
+            if not write.released:
+                groups.setdefault(group(write), []).append(write)
+        errors, self._errors = self._errors, []
+        for members in groups.values():
+            error = self._post(members)
+            if error is not None:
+                errors.append((self.io.engine_of(members[0])[0], error))
+        return errors
+
+    def _post(self, members: list[M]) -> KvHandoffError | None:
+        try:
+            transfer = self.io.post(members)
+        except KvHandoffError as exc:
+            for member in members:
+                member.post_failed = True
+                _publish(member, "ERR", str(exc))
+            return exc
+        self._serial += 1
+        key = self._serial
+        engine_id, rank = self.io.engine_of(members[0])
+        for member in members:
+            member.batch_key = key
+        ctx = WriteBatchCtx(
+            key,
+            engine_id,
+            rank,
+            tuple(m.notif for m in members if m.notif),
+            transfer,
+            tuple(members),
+        )
+        self.bus.create(WRITE_BATCH, ctx, self.bus.now)
+        self.batches_posted += 1
+        self.writes_batched += len(members)
+        return None
+
+    def complete(self, now: float) -> int:
+        """Poll the transfers in flight (a landed one sends its notifs and settles, one
+        that failed settles), then cancel the transfers of requests the main thread
+        released meanwhile. Returns how many are still in flight (the writer keeps
+        polling while any is)."""
+        bus = self.bus
+        if bus.live(WRITE_BATCH):
+            state = self.io.state
+            for inst in bus.instances(WRITE_BATCH):
+                status, error = state(inst.ctx.transfer)
+                if status == "DONE":
+                    bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferLanded(), now)
+                elif status == "ERR":
+                    bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
+        releases = self._releases
+        while releases:
+            write = releases.popleft()
+            key = write.batch_key
+            if key and write.xfer_status == "PROC" and bus.get(WRITE_BATCH, key) is not None:
+                bus.dispatch(WRITE_BATCH, key, BatchCancelled(), now)
+        return bus.live(WRITE_BATCH)
+
+    @property
+    def in_flight(self) -> int:
+        return self.bus.live(WRITE_BATCH)
+
+    def any_ended(self) -> bool:
+        """Whether a transfer in flight has ended or a release waits for the writer: its
+        next `complete` would change something (the simulator schedules that pass)."""
+        if self._releases:
+            return True
+        state = self.io.state
+        return any(state(i.ctx.transfer)[0] != "PROC" for i in self.bus.instances(WRITE_BATCH))
+
+    # -- the machine's effects (writer thread) ---------------------------------------------
+
+    def _send_notifs(self, inst: Instance[Any] | None, effect: SendCompletionNotifs) -> None:
+        ctx = _ctx(inst)
+        try:
+            if effect.notifs:
+                self.io.send_notifs(cast(M, ctx.members[0]), effect.notifs)
+        except KvHandoffError as exc:
+            self.bus.dispatch(WRITE_BATCH, ctx.key, NotifsFailed(str(exc)), self.bus.now)
+        else:
+            self.bus.dispatch(WRITE_BATCH, ctx.key, NotifsSent(), self.bus.now)
+
+    def _cancel(self, inst: Instance[Any] | None, _effect: CancelTransfer) -> None:
+        self._release(_ctx(inst).transfer)
+
+    def _settle(self, inst: Instance[Any] | None, effect: SettleMembers) -> None:
+        ctx = _ctx(inst)
+        for member in ctx.members:
+            write = cast(M, member)
+            if write.xfer_status == "PROC":
+                _publish(write, effect.state, effect.error)
+        self.batches_settled += 1
+        self._release(ctx.transfer)
+
+    def _release(self, transfer: object) -> None:
+        try:
+            self.io.release(transfer)
+        except KvHandoffError as exc:  # its requests' outcomes are published either way
+            log.warning("releasing a batched WRITE's transfer failed: %s", exc)
+
+    # -- the main thread -----------------------------------------------------------------
+
+    def poll(self, write: M) -> XferState:
+        """What the writer published: "PROC" until its transfer settled."""
+        return write.xfer_status
+
+    def release(self, write: M) -> None:
+        """Idempotent. The writer cancels the transfer at its next `complete` if it is
+        still in flight; one never posted is never posted."""
+        if write.released:
+            return
+        write.released = True
+        self._releases.append(write)
+
+
+def _publish(write: BatchMember, state: XferState, error: str) -> None:
+    """The outcome last: the main thread reads `xfer_status` and then the rest."""
+    if error:
+        write.error = error
+    write.xfer_status = state
+
+
+def _ctx(inst: Instance[Any] | None) -> WriteBatchCtx:
+    assert inst is not None, "a write_batch effect always comes from its instance"
+    return cast(WriteBatchCtx, inst.ctx)

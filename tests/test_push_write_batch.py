@@ -1,0 +1,213 @@
+"""B-13 and R-P08: the batched WRITE's lifecycle (`push.write_batch`) and who drives it.
+
+The writer thread alone polls a batch, sends its completion notifs and cancels it; the
+main thread's `poll` reads what the writer published and its `release` only hands the
+handle over. A stand-in `BatchIO` records every transport call, so a test fails if the
+main thread's calls reach the transport. The real NIXL and simulated transports run the
+same class (`test_push_transport_conformance.py`, `test_push_batched_writes.py`), and
+the whole path over the simulated fabric checks that no WRITE reads P's blocks after
+they were freed (`kvhandoff simulate push`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhandoff.adapters.push_transport import XferState
+from kvhandoff.adapters.write_batches import WriteBatches
+from kvhandoff.machines.push.write_batch import WRITE_BATCH
+from kvhandoff.protocol.errors import KvHandoffError
+
+
+@dataclass(eq=False)
+class Write:
+    rank: int
+    notif: bytes
+    xfer_status: XferState = "PROC"
+    released: bool = False
+    post_failed: bool = False
+    error: str | None = None
+    batch_key: int = 0
+
+
+@dataclass(eq=False)
+class Transfer:
+    members: tuple[Write, ...]
+    state: XferState = "PROC"
+    released: bool = False
+
+
+@dataclass
+class RecordingIO:
+    """Every transport call, in order; what the next post or notif send does."""
+
+    calls: list[tuple[str, object]] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+    refuse_post: bool = False
+    refuse_notifs: bool = False
+
+    def group(self, write: Write) -> Hashable:
+        return write.rank
+
+    def engine_of(self, write: Write) -> tuple[str, int]:
+        return ("engine-d", write.rank)
+
+    def post(self, members: list[Write]) -> Transfer:
+        self.calls.append(("post", len(members)))
+        if self.refuse_post:
+            raise KvHandoffError("post refused")
+        self.transfers.append(Transfer(tuple(members)))
+        return self.transfers[-1]
+
+    def state(self, transfer: object) -> tuple[XferState, str]:
+        assert isinstance(transfer, Transfer)
+        self.calls.append(("state", transfer))
+        return transfer.state, "transfer failed"
+
+    def release(self, transfer: object) -> None:
+        assert isinstance(transfer, Transfer)
+        self.calls.append(("release", transfer))
+        transfer.released = True
+
+    def send_notifs(self, first: Write, notifs: tuple[bytes, ...]) -> None:
+        self.calls.append(("send_notifs", notifs))
+        if self.refuse_notifs:
+            raise KvHandoffError("send_notif refused")
+
+
+def _posted(count: int = 3) -> tuple[RecordingIO, WriteBatches[Write], list[Write]]:
+    io = RecordingIO()
+    batches: WriteBatches[Write] = WriteBatches(io)
+    writes = [batches.queue(Write(0, f"req-{i}:1".encode())) for i in range(count)]
+    assert batches.flush() == []
+    return io, batches, writes
+
+
+def test_B_13_R_P08_main_thread_poll_and_release_never_reach_the_transport() -> None:
+    io, batches, writes = _posted()
+    (transfer,) = io.transfers
+    io.calls.clear()
+    assert [batches.poll(w) for w in writes] == ["PROC"] * 3
+    batches.release(writes[0])
+    assert io.calls == [], "the main thread's poll and release made no transport call"
+    assert not transfer.released, "the writer cancels it, at its next pass"
+    assert batches.complete(1.0) == 0
+    assert transfer.released, "released in flight: the whole transfer is cancelled"
+    assert "send_notifs" not in [name for name, _arg in io.calls]
+    assert [batches.poll(w) for w in writes[1:]] == ["ERR", "ERR"]
+
+
+def test_B_13_a_release_after_the_bytes_landed_cancels_nothing() -> None:
+    """The writer polls before it cancels: a transfer that landed is notified and settled,
+    so the batch's other requests are not failed for a release that came too late."""
+    io, batches, writes = _posted()
+    io.transfers[0].state = "DONE"
+    batches.release(writes[0])
+    assert batches.complete(1.0) == 0
+    assert [batches.poll(w) for w in writes] == ["DONE"] * 3
+
+
+def test_B_13_R_P08_the_writer_sends_the_notifs_after_the_bytes_landed_then_publishes() -> None:
+    io, batches, writes = _posted()
+    (transfer,) = io.transfers
+    assert batches.complete(1.0) == 1, "still in flight: the writer keeps polling"
+    assert [name for name, _ in io.calls if name == "send_notifs"] == []
+    transfer.state = "DONE"
+    assert batches.complete(2.0) == 0
+    sends = [arg for name, arg in io.calls if name == "send_notifs"]
+    assert sends == [tuple(w.notif for w in writes)], "one bundle, in order"
+    assert [batches.poll(w) for w in writes] == ["DONE"] * 3
+    assert transfer.released, "a settled batch frees its transfer"
+    assert batches.bus.live(WRITE_BATCH) == 0
+
+
+@pytest.mark.parametrize("failure", ["transfer", "notifs", "post"])
+def test_B_13_a_failed_batch_fails_every_request_in_it(failure: str) -> None:
+    io = RecordingIO(refuse_post=failure == "post", refuse_notifs=failure == "notifs")
+    batches: WriteBatches[Write] = WriteBatches(io)
+    writes = [batches.queue(Write(0, f"req-{i}:1".encode())) for i in range(2)]
+    errors = batches.flush()
+    if failure == "post":
+        assert [engine for engine, _exc in errors] == ["engine-d"]
+        assert all(w.post_failed for w in writes)
+    else:
+        io.transfers[0].state = "ERR" if failure == "transfer" else "DONE"
+        assert batches.complete(1.0) == 0
+    assert [batches.poll(w) for w in writes] == ["ERR", "ERR"]
+    assert all(w.error for w in writes)
+    sent = [arg for name, arg in io.calls if name == "send_notifs"]
+    assert sent == ([(b"req-0:1", b"req-1:1")] if failure == "notifs" else [])
+
+
+def test_B_13_a_request_released_before_the_flush_is_never_posted() -> None:
+    io = RecordingIO()
+    batches: WriteBatches[Write] = WriteBatches(io)
+    dropped, kept = batches.queue(Write(0, b"a:1")), batches.queue(Write(0, b"b:1"))
+    batches.release(dropped)
+    assert batches.flush() == []
+    assert io.calls == [("post", 1)] and io.transfers[0].members == (kept,)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["queue", "flush", "land", "fail", "release", "complete"]),
+            st.integers(0, 5),
+            st.integers(0, 1),
+        ),
+        max_size=40,
+    )
+)
+def test_B_13_every_request_ends_once_and_nothing_lands_after_its_release(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """Any interleaving of queue, flush, transfer outcomes, releases and writer passes:
+    a request's outcome, once published, never changes; a request released while in
+    flight has its transfer released (cancelled) by the next pass and no notif of it is
+    sent afterwards; after a final pass every posted transfer is settled and freed."""
+    io = RecordingIO()
+    batches: WriteBatches[Write] = WriteBatches(io)
+    writes: list[Write] = []
+    seen: dict[int, XferState] = {}
+    now = 0.0
+    for op, index, rank in ops:
+        now += 1.0
+        if op == "queue":
+            writes.append(batches.queue(Write(rank, f"req-{len(writes)}:1".encode())))
+        elif op == "flush":
+            batches.flush()
+        elif op in ("land", "fail") and io.transfers:
+            transfer = io.transfers[index % len(io.transfers)]
+            if transfer.state == "PROC" and not transfer.released:
+                transfer.state = "DONE" if op == "land" else "ERR"
+        elif op == "release" and writes:
+            batches.release(writes[index % len(writes)])
+        elif op == "complete":
+            released_in_flight = [w for w in writes if w.released and w.xfer_status == "PROC"]
+            sends_before = len([c for c in io.calls if c[0] == "send_notifs"])
+            batches.complete(now)
+            for write in released_in_flight:
+                transfer = next((t for t in io.transfers if write in t.members), None)
+                if transfer is not None and transfer.state == "PROC":
+                    assert transfer.released, "cancelled at the writer's next pass"
+                    new = [c[1] for c in io.calls if c[0] == "send_notifs"][sends_before:]
+                    assert not any(write.notif in notifs for notifs in new)  # type: ignore[operator]
+        for i, write in enumerate(writes):
+            if i in seen:
+                assert write.xfer_status == seen[i], "a published outcome never changes"
+            elif write.xfer_status != "PROC":
+                seen[i] = write.xfer_status
+    batches.flush()
+    for transfer in io.transfers:
+        if transfer.state == "PROC" and not transfer.released:
+            transfer.state = "DONE"
+    assert batches.complete(now + 1.0) == 0
+    assert all(t.released for t in io.transfers), "every transfer freed"
+    posted = [w for t in io.transfers for w in t.members]
+    assert all(w.xfer_status != "PROC" for w in posted), "every posted request settled"
