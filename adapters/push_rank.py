@@ -39,7 +39,6 @@ from kvhandoff.adapters.push_rank_writer import (
 )
 from kvhandoff.adapters.push_transport import PushTransport, TransferHandle, peer_gone
 from kvhandoff.machines.kv.effects import (
-    CancelWrites,
     DroppedRegistration,
     EvictRegistration,
     PollTransfer,
@@ -200,7 +199,6 @@ class PushRank(RankWriterSide):
         bus.handle(WakeWriter, lambda _i, _e: self.wake.set())
         bus.handle(PollTransfer, self._poll_transfer)
         bus.handle(ReleaseTransfer, self._release_transfer)
-        bus.handle(CancelWrites, self._cancel_writes)
 
     def _to_writer(self, _inst: Instance[object] | None, command: WriterCommand) -> None:
         self.writer_inbox.append(command)
@@ -254,13 +252,6 @@ class PushRank(RankWriterSide):
         self.failed_transfers += len(handles)
         for _rank, handle in handles:
             self._release(handle)
-
-    def _cancel_writes(self, inst: Instance[object] | None, effect: CancelWrites) -> None:
-        """The WRITEs timed out: release their handles here, then the writer cancels the
-        batched ones still in flight and answers `WritesCancelled` (R-P08: it owns them)."""
-        self._release_transfer(inst, ReleaseTransfer(effect.request_id))
-        self.writer_inbox.append(effect)
-        self.wake.set()
 
     def _release(self, handle: TransferHandle | None) -> None:
         if handle is None:  # a READ that never posted

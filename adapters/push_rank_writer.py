@@ -40,7 +40,6 @@ from kvhandoff.machines.kv.effects import (
     ReportToMain,
     SendPushFail,
     SendPushReg,
-    SettleCancelled,
     StartHandshake,
     WriterCommand,
 )
@@ -50,7 +49,6 @@ from kvhandoff.machines.kv.events import (
     RegSent,
     SendFailed,
     WritePosted,
-    WritesCancelled,
     WriteSubmitFailed,
 )
 from kvhandoff.machines.push.scheduler import Mode, Role
@@ -190,9 +188,6 @@ class RankWriterSide:
         elif isinstance(effect, DroppedRegistration):
             for observe in self.dropped_observers:
                 observe(effect)
-        elif isinstance(effect, SettleCancelled):
-            self.writes_in_flight = self.transport.complete_writes(now)
-            self._report(effect.request_id, WritesCancelled())
         elif isinstance(effect, ArmSelfPoll):
             self.self_poll_interval_s = effect.interval_s
         elif isinstance(effect, DisarmSelfPoll):

@@ -12,11 +12,17 @@ Each posted transfer is a `push.write_batch` instance; the writer's `complete` p
 ones in flight, and the machine sends the completion notifs of a transfer that landed,
 then publishes each request's outcome on its handle.
 
-Threads: `queue`, `flush` and `complete` run on the writer thread, which owns the bus.
-The main thread calls `poll` (it reads the outcome the writer published: one attribute)
-and `release` (it marks the handle and hands it to the writer, which cancels an
-in-flight transfer at its next `complete`). No lock: a handle's `xfer_status` is written
-by the writer only, its `released` flag by the main thread only.
+Threads: `queue`, `flush` and `complete` run on the writer thread, which owns the bus
+and every instance. The main thread calls `poll`, which reads the outcome the writer
+published (one attribute), and `release`. A release of a request still in flight
+releases its transfer at once, from the main thread, as the seed's main thread releases
+xfer handles: so nothing of it lands after P gave up on it, even while the writer is
+stalled. It then hands the handle to the writer, whose next `complete` settles the batch
+as cancelled. No lock around machine state: a handle's `xfer_status` is written by the
+writer only, its `released` flag by the main thread only. The one thing both threads
+touch is the transport's handle of a transfer (the writer polls and frees it, the main
+thread may cancel it): `BatchIO.state` and `BatchIO.release` must be safe against each
+other and idempotent (the NIXL side guards its handle for that).
 
 Failure: a transfer that fails to post fails its requests at once ("ERR", `post_failed`
 set, B-14 counts them under "post"); one that ends in error, or whose notifs cannot be
@@ -60,6 +66,8 @@ class BatchMember(Protocol):
     post_failed: bool
     error: str | None
     batch_key: int
+    transfer: object
+    """The transfer carrying it, once posted (None before)."""
 
 
 M = TypeVar("M", bound=BatchMember)
@@ -82,7 +90,8 @@ class BatchIO(Protocol[M]):
         ...
 
     def release(self, transfer: object) -> None:
-        """Free the transfer (cancelling it while in flight). Idempotent."""
+        """Free the transfer (cancelling it while in flight). Idempotent, and safe against
+        a `state` or `release` of the same transfer on the other thread."""
         ...
 
     def send_notifs(self, first: M, notifs: tuple[bytes, ...]) -> None:
@@ -175,6 +184,7 @@ class WriteBatches(Generic[M]):
         key = self._serial
         engine_id, rank = self.io.engine_of(members[0])
         for member in members:
+            member.transfer = transfer
             member.batch_key = key
         ctx = WriteBatchCtx(
             key,
@@ -190,25 +200,27 @@ class WriteBatches(Generic[M]):
         return None
 
     def complete(self, now: float) -> int:
-        """Poll the transfers in flight (a landed one sends its notifs and settles, one
-        that failed settles), then cancel the transfers of requests the main thread
-        released meanwhile. Returns how many are still in flight (the writer keeps
-        polling while any is)."""
+        """Settle the transfers of requests the main thread released (cancelled, unless
+        the bytes had landed), then poll the ones in flight: a landed one sends its
+        notifs and settles, one that failed settles. Returns how many are still in
+        flight (the writer keeps polling while any is)."""
         bus = self.bus
+        state = self.io.state
+        releases = self._releases
+        while releases:
+            write = releases.popleft()
+            key = write.batch_key
+            if not key or write.xfer_status != "PROC" or bus.get(WRITE_BATCH, key) is None:
+                continue
+            if state(write.transfer)[0] != "DONE":
+                bus.dispatch(WRITE_BATCH, key, BatchCancelled(), now)
         if bus.live(WRITE_BATCH):
-            state = self.io.state
             for inst in bus.instances(WRITE_BATCH):
                 status, error = state(inst.ctx.transfer)
                 if status == "DONE":
                     bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferLanded(), now)
                 elif status == "ERR":
                     bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
-        releases = self._releases
-        while releases:
-            write = releases.popleft()
-            key = write.batch_key
-            if key and write.xfer_status == "PROC" and bus.get(WRITE_BATCH, key) is not None:
-                bus.dispatch(WRITE_BATCH, key, BatchCancelled(), now)
         return bus.live(WRITE_BATCH)
 
     @property
@@ -260,11 +272,19 @@ class WriteBatches(Generic[M]):
         return write.xfer_status
 
     def release(self, write: M) -> None:
-        """Idempotent. The writer cancels the transfer at its next `complete` if it is
-        still in flight; one never posted is never posted."""
+        """Idempotent. A request still in flight has its whole transfer released (NIXL
+        cancels it) here and now, and the writer's next `complete` settles the batch as
+        cancelled; one never posted is never posted."""
         if write.released:
             return
         write.released = True
+        transfer = write.transfer
+        if (
+            transfer is not None
+            and write.xfer_status == "PROC"
+            and self.io.state(transfer)[0] == "PROC"
+        ):
+            self._release(transfer)
         self._releases.append(write)
 
 

@@ -13,6 +13,7 @@ unchanged). The lifecycle is `push.write_batch`; the queue is `adapters/write_ba
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ class BatchedWrite:
     """Its batch failed to post (B-14 counts it under "post")."""
     batch_key: int = 0
     """Its `push.write_batch` instance, once posted (0: not posted)."""
+    transfer: object = None
+    """The NIXL transfer carrying it, once posted."""
 
 
 class NixlBatchIO:
@@ -55,6 +58,11 @@ class NixlBatchIO:
         self.agent = agent
         self._send_notifs = send_notifs
         """(engine id, rank, notifs): the transport's `send_notifs` (bundles, B-13)."""
+        self._handle_guard = threading.Lock()
+        """Held for one `check_xfer_state` or one release of a transfer handle: the writer
+        polls and frees a batch's handle while the main thread may cancel it (a timed-out
+        request), and NIXL must never see a released handle polled or released twice.
+        It guards that native handle only, never machine state."""
 
     def group(self, write: BatchedWrite) -> tuple[str, int, int]:
         """Writes that can share one transfer: same D rank, same local descriptor list."""
@@ -71,12 +79,16 @@ class NixlBatchIO:
 
     def state(self, transfer: object) -> tuple[XferState, str]:
         assert isinstance(transfer, XferHandle)
-        status = self.agent.poll(transfer)
+        with self._handle_guard:
+            status = self.agent.poll(transfer)
+        if transfer.released and status == "PROC":  # cancelled by the main thread
+            return "ERR", "batch cancelled"
         return status, transfer.error or "transfer failed"
 
     def release(self, transfer: object) -> None:
         assert isinstance(transfer, XferHandle)
-        self.agent.release(transfer)
+        with self._handle_guard:
+            self.agent.release(transfer)  # idempotent: a released handle is left alone
 
     def send_notifs(self, first: BatchedWrite, notifs: tuple[bytes, ...]) -> None:
         self._send_notifs(first.engine_id, first.rank, notifs)

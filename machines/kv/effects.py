@@ -130,16 +130,6 @@ class RevokeLease(Effect):
 
 
 @dataclass(frozen=True, slots=True)
-class CancelWrites(Effect):
-    """P: the WRITEs timed out. The main thread releases their handles, then hands this
-    to the writer, which cancels those still in flight (it owns the batched WRITEs,
-    B-13) and says `WritesCancelled`: only then are the blocks freed, so no WRITE reads
-    them after."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
 class ReportWriteError(Effect):
     """P: the request's WRITEs ended in error; tell the D ranks they went to (`d_ranks`,
     empty: every target) where they speak `PUSH_FAIL` (B-10)."""
@@ -176,7 +166,6 @@ WriterCommand = (
     SendRegistration
     | StageBlocks
     | RevokeLease
-    | CancelWrites
     | ReportWriteError
     | EvictRegistration
     | StartRead
@@ -295,14 +284,6 @@ class DeferredFailed(Effect):
     """`op` waited for a handshake that failed; it will never run (R-P12)."""
 
     op: DeferredOp
-
-
-@dataclass(frozen=True, slots=True)
-class SettleCancelled(Effect):
-    """P writer: settle the batched WRITEs released in flight (cancelling them), then
-    tell the main thread `WritesCancelled` for `request_id`."""
-
-    request_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,6 @@ that its guards refuse, is a `RemoteProtocolError` that changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from kvhandoff.machines.runtime.events import Event, PeerEvent
 
@@ -62,7 +61,6 @@ __all__ = [
     "WritePosted",
     "WriteSubmitFailed",
     "WriteTimeout",
-    "WritesCancelled",
 ]
 
 
@@ -182,14 +180,6 @@ class WriteSubmitFailed(Event):
     """P's WRITE failed to post; D was told where it listens (B-10)."""
 
     cause: str = "post"
-
-
-@dataclass(frozen=True, slots=True)
-class WritesCancelled(Event):
-    """The writer cancelled the timed-out request's WRITEs still in flight: nothing of
-    them lands or reads P's blocks any more."""
-
-    trigger: ClassVar[str] = "cancelled"
 
 
 @dataclass(frozen=True, slots=True)

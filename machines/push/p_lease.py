@@ -20,11 +20,9 @@ lock):
   its answer (`Revoked`) frees the blocks, or a `WritePosted` it sent first suspends the
   lease under the write timeout. Either way no block is freed under a DMA.
 - While WRITEs are in flight the lease is suspended; get_finished polls them. When they
-  all completed the blocks are freed (R-P09). A WRITE that fails to post or ends in error
-  frees the blocks at once and D is told with `PUSH_FAIL` where it speaks it (B-10). One
-  that outlives `push_write_timeout` is cancelled first (`CancelWrites`): the writer,
-  which owns the batched WRITEs (B-13), cancels them and answers `WritesCancelled`, and
-  only then are the blocks freed (`cancelling`). A failed handshake is logged
+  all completed the blocks are freed (R-P09). A WRITE that fails to post, ends in error
+  or outlives `push_write_timeout` frees the blocks at once and D is told with
+  `PUSH_FAIL` where it speaks it (B-10); a failed handshake is logged
   `push_handshake_failed` and left to the lease (R-P12, the seed).
 
 Tags: `heartbeat_extends`, `pollable` (WRITEs posted: get_finished polls them),
@@ -37,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvhandoff.machines.kv.effects import (
-    CancelWrites,
     CountFailure,
     PollTransfer,
+    ReleaseTransfer,
     ReportFinishedSending,
     ReportWriteError,
     RevokeLease,
@@ -59,7 +57,6 @@ from kvhandoff.machines.kv.events import (
     WriteDone,
     WriteError,
     WritePosted,
-    WritesCancelled,
     WriteSubmitFailed,
     WriteTimeout,
 )
@@ -79,7 +76,7 @@ class PLeaseCtx:
 
 
 LEASE = Timeout("kv_lease_duration", "revoking", LeaseExpired, action="revoke")
-WRITE_TIMEOUT = Timeout("push_write_timeout", "cancelling", WriteTimeout, action="abandon_write")
+WRITE_TIMEOUT = Timeout("push_write_timeout", "released", WriteTimeout, action="abandon_write")
 
 
 def stage(ctx: PLeaseCtx, event: Staged) -> list[Effect]:
@@ -140,17 +137,14 @@ def free_failed(ctx: PLeaseCtx, event: WriteError) -> list[Effect]:
 
 
 def abandon_write(ctx: PLeaseCtx, event: WriteTimeout) -> list[Effect]:
-    # The handles must not outlive the wait: cancelled, and the blocks stay held until
-    # the writer says nothing of them is in flight any more.
+    # The handles must not outlive the wait: released, no WRITE lands after the blocks
+    # are freed.
     return [
-        CancelWrites(ctx.key),
+        ReleaseTransfer(ctx.key),
+        ReportFinishedSending(ctx.key),
         ReportWriteError(ctx.key, "WRITE timed out"),
         CountFailure("timeout"),
     ]
-
-
-def free_cancelled(ctx: PLeaseCtx, event: WritesCancelled) -> list[Effect]:
-    return [ReportFinishedSending(ctx.key)]
 
 
 def done_sending(ctx: PLeaseCtx, event: WriteDone) -> list[Effect]:
@@ -171,7 +165,6 @@ P_LEASE: Declaration[PLeaseCtx] = Declaration(
         {"name": "revoking"},
         {"name": "posted", "tags": ("pollable",)},
         {"name": "writing", "timeout": WRITE_TIMEOUT, "tags": ("pollable", "polled")},
-        {"name": "cancelling"},
         {"name": "sent", "final": True},
         {"name": "released", "final": True},
         {"name": "expired", "final": True},
@@ -201,12 +194,6 @@ P_LEASE: Declaration[PLeaseCtx] = Declaration(
         {"trigger": WriteDone, "source": "writing", "dest": "sent", "after": "done_sending"},
         {"trigger": WriteError, "source": "writing", "dest": "released", "after": "free_failed"},
         {
-            "trigger": WritesCancelled,
-            "source": "cancelling",
-            "dest": "released",
-            "after": "free_cancelled",
-        },
-        {
             "trigger": Heartbeat,
             "source": _BOUND,
             "dest": None,
@@ -217,7 +204,7 @@ P_LEASE: Declaration[PLeaseCtx] = Declaration(
     ignore=[
         # Late or redundant news: the lease no longer waits for any of it.
         ("handshake_failed", Heartbeat),
-        *((state, Heartbeat) for state in ("revoking", "posted", "writing", "cancelling")),
+        *((state, Heartbeat) for state in ("revoking", "posted", "writing")),
         *((state, event) for state in ("revoking",) for event in (Matched, HandshakeStarted)),
         *((state, event) for state in ("revoking",) for event in (HandshakeDone, HandshakeFailed)),
         *((state, Revoked) for state in ("posted", "writing")),
@@ -234,7 +221,6 @@ P_LEASE: Declaration[PLeaseCtx] = Declaration(
         "free_unposted": free_unposted,
         "free_failed": free_failed,
         "abandon_write": abandon_write,
-        "free_cancelled": free_cancelled,
         "done_sending": done_sending,
     },
     config_defaults={"kv_lease_duration": 30.0, "push_write_timeout": 30.0},

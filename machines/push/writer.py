@@ -32,7 +32,6 @@ from typing import Any
 from kvhandoff.machines.kv.effects import (
     ArmSelfPoll,
     CancelDeferred,
-    CancelWrites,
     DeferredFailed,
     DeferredOp,
     DisarmSelfPoll,
@@ -53,7 +52,6 @@ from kvhandoff.machines.kv.effects import (
     SendPushFail,
     SendPushReg,
     SendRegistration,
-    SettleCancelled,
     StageBlocks,
     StartHandshake,
     StartRead,
@@ -203,8 +201,6 @@ class PushWriter:
                 self._effects.append(ReportToMain(command.request_id, Revoked()))
             else:
                 self._to_slot(command.request_id, Revoke(command.request_id))
-        elif isinstance(command, CancelWrites):
-            self._effects.append(SettleCancelled(command.request_id))
         elif isinstance(command, ReportWriteError):
             self._tell_write_error(command)
         elif isinstance(command, EvictRegistration):

@@ -79,6 +79,8 @@ class SimTransfer:
     error: str | None = None
     batch_key: int = 0
     """B-13: its `push.write_batch` instance, once posted (0: not posted)."""
+    transfer: object = None
+    """B-13: the batched transfer carrying it, once posted (the same as `batch`)."""
 
 
 @dataclass(eq=False, slots=True)

@@ -17,11 +17,9 @@ from kvhandoff.machines.catalog import DECLARATIONS
 from kvhandoff.machines.runtime.diagrams import safe_id, timeout_label
 from kvhandoff.specs import mermaid_of
 
-MAX_WIDTH_PX = 1280
+MAX_WIDTH_PX = 1250
 """About 1,200 px at scale 1 (with room for font metrics): a page column is about 880 px
-wide, so a wider drawing shrinks its labels below reading size. (1,250 until
-`push.p_lease` gained its `cancelling` state, which draws 1,266 px wide; its labels were
-checked by eye in the rendered SVG.)"""
+wide, so a wider drawing shrinks its labels below reading size."""
 README_DIAGRAMS = ("push.p_lease", "ec.consumer_read")
 SVG_DIR = "svg"
 _SOURCE = re.compile(r"<!-- kvhandoff diagram source sha256:([0-9a-f]{64}) -->")
