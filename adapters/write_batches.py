@@ -106,7 +106,7 @@ class BatchIO(Protocol[M]):
 class WriteBatches(Generic[M]):
     """The queue of one rank's WRITEs and the `push.write_batch` instances posted from it."""
 
-    def __init__(self, io: BatchIO[M], post_every: int = 0, bus: EventBus | None = None) -> None:
+    def __init__(self, io: BatchIO[M], post_every: int = 0) -> None:
         self.io = io
         self.post_every = post_every
         """Queued WRITEs of one group that are posted at once, before the pass ends (0:
@@ -122,9 +122,8 @@ class WriteBatches(Generic[M]):
         self.batches_settled = 0
         """Transfers whose requests' outcomes were published (done, failed, cancelled)."""
         self.bus = EventBus()
+        """Its own until `bind` gives it the writer's."""
         self._bind(self.bus)
-        if bus is not None:
-            self.bind(bus)
 
     def bind(self, bus: EventBus) -> None:
         """Run the batches on `bus` (the writer's) from now on; none may be in flight."""
@@ -222,10 +221,6 @@ class WriteBatches(Generic[M]):
                 elif status == "ERR":
                     bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
         return bus.live(WRITE_BATCH)
-
-    @property
-    def in_flight(self) -> int:
-        return self.bus.live(WRITE_BATCH)
 
     def any_ended(self) -> bool:
         """Whether a transfer in flight has ended or a release waits for the writer: its

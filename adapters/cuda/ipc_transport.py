@@ -1,7 +1,7 @@
 """A `PushTransport` that WRITEs to same-host peers through CUDA IPC (issue 18).
 
-`IpcPushTransport(inner, ...)` wraps the NIXL transport and delegates everything to it,
-except:
+`IpcPushTransport(inner, ...)` wraps the NIXL transport and delegates everything to it
+(`nixl_passthrough.py`), except:
 
 - D (``export=True``): after `connect` it sends its `IpcExport` (one IPC handle
   per KV allocation) to every rank of the peer as one notif, when the peer advertises
@@ -51,6 +51,7 @@ from kvhandoff.adapters.cuda.ipc_export import (
 )
 from kvhandoff.adapters.cuda.ipc_handles import IpcBatch, IpcHandle, IpcStats
 from kvhandoff.adapters.cuda.ipc_runtime import IpcError
+from kvhandoff.adapters.cuda.nixl_passthrough import NixlPassthrough
 from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_transport import EngineInfo, Routes, TransferHandle, XferState
 from kvhandoff.machines.push.ipc_peer import (
@@ -65,7 +66,7 @@ from kvhandoff.machines.push.ipc_peer import (
 )
 from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.protocol.errors import KvHandoffError, RemoteProtocolError
-from kvhandoff.protocol.handshake import EXT_CUDA_IPC, EngineHandshake, HandshakePayload
+from kvhandoff.protocol.handshake import EXT_CUDA_IPC, EngineHandshake
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 Path = Literal["cuda_ipc", "nixl"]
 
 
-class IpcPushTransport:
+class IpcPushTransport(NixlPassthrough):
     """The NIXL transport plus same-host CUDA IPC WRITEs (see the module doc)."""
 
     def __init__(
@@ -95,7 +96,7 @@ class IpcPushTransport:
         cross_device: CrossDevice = "auto",
         clock: Callable[[], float] = real_clock,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.cross_device: CrossDevice = cross_device
         """How a D on another GPU with peer access is copied to (`ipc_route`)."""
         self.kernel: KernelChoice = kernel
@@ -114,7 +115,6 @@ class IpcPushTransport:
         """Launch a pass's queued WRITEs from the writer when the pass ends (`flush_writes`)
         instead of at the next `progress` / `poll` / `get_new_notifs` (measured no better,
         with either kernel)."""
-        self.engine_id = inner.engine_id
         self.device = device
         self.stats = IpcStats()
         self._lock = threading.RLock()
@@ -142,57 +142,8 @@ class IpcPushTransport:
         self._notifier: threading.Thread | None = None
         self._closed = False
 
-    # -- delegated -------------------------------------------------------------------------
-
-    @property
-    def agent_name(self) -> str:
-        return self.inner.agent_name
-
-    @property
-    def rejected_bundles(self) -> int:
-        """Malformed notif bundles the NIXL transport dropped (S-06)."""
-        return self.inner.rejected_bundles
-
-    def handshake_payload(self) -> HandshakePayload:
-        return self.inner.handshake_payload()
-
     def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
         self.inner.advertise((*extensions, EXT_CUDA_IPC), auth_key_id)
-
-    def fetch_handshake(
-        self, host: str, port: int, timeout_s: float, ranks: Sequence[tuple[int, int]]
-    ) -> list[bytes]:
-        return self.inner.fetch_handshake(host, port, timeout_s, ranks)
-
-    def engine(self, engine_id: str) -> EngineInfo | None:
-        return self.inner.engine(engine_id)
-
-    def identify(self, agent_name: str) -> tuple[str, int] | None:
-        return self.inner.identify(agent_name)
-
-    def send_notif(self, engine_id: str, rank: int, message: bytes) -> None:
-        self.inner.send_notif(engine_id, rank, message)
-
-    def read_blocks(
-        self,
-        engine_id: str,
-        rank: int,
-        local_block_ids: Sequence[int],
-        remote_block_ids: Sequence[int],
-        notif: bytes,
-        *,
-        local_chunk: Chunk = WHOLE,
-        remote_chunk: Chunk = WHOLE,
-    ) -> TransferHandle:
-        return self.inner.read_blocks(
-            engine_id,
-            rank,
-            local_block_ids,
-            remote_block_ids,
-            notif,
-            local_chunk=local_chunk,
-            remote_chunk=remote_chunk,
-        )
 
     # -- connection ------------------------------------------------------------------------
 
@@ -385,14 +336,6 @@ class IpcPushTransport:
         if self.launch_at_flush and self._queued:
             self._launch_queued()
         return self.inner.flush_writes()
-
-    def complete_writes(self, now: float) -> int:
-        """Writer thread: the NIXL-batched WRITEs' (the IPC launches complete in
-        `progress` / `poll` / `get_new_notifs`)."""
-        return self.inner.complete_writes(now)
-
-    def bind_bus(self, bus: EventBus) -> None:
-        self.inner.bind_bus(bus)
 
     def flush(self) -> None:
         """Launch what is queued and send the notifs of finished launches."""

@@ -43,7 +43,6 @@ class WriteBatchCtx:
     """The transport's handle of the posted transfer (opaque here)."""
     members: tuple[object, ...] = ()
     """The transport's per-request handles it carries (opaque here)."""
-    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +105,15 @@ def settle_done(ctx: WriteBatchCtx, event: NotifsSent) -> list[Effect]:
 
 
 def settle_failed(ctx: WriteBatchCtx, event: TransferFailed | NotifsFailed) -> list[Effect]:
-    ctx.error = event.error
     return [SettleMembers("ERR", event.error), Metric("push.write_batch.failed")]
 
 
 def cancel(ctx: WriteBatchCtx, event: BatchCancelled) -> list[Effect]:
-    ctx.error = "batch cancelled"
-    return [CancelTransfer(), SettleMembers("ERR", ctx.error), Metric("push.write_batch.cancelled")]
+    return [
+        CancelTransfer(),
+        SettleMembers("ERR", "batch cancelled"),
+        Metric("push.write_batch.cancelled"),
+    ]
 
 
 WRITE_BATCH: Declaration[WriteBatchCtx] = Declaration(

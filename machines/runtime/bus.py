@@ -89,15 +89,9 @@ class EventBus(Delivery):
             raise LocalProtocolError(f"machine {kind.name!r}: instance {key!r} already exists")
         inst = Instance(machine, key, ctx, next(self._serials))
         machine.admit(inst)
-        queue = machine.initial.timer_queue  # `_arm`, inlined as in `dispatch`
+        queue = machine.initial.timer_queue
         if queue is not None:
-            deadline = self._now + machine.initial.timeout_seconds  # type: ignore[operator]
-            inst.timer = entry = (deadline, inst)
-            queue.append(entry)
-            if deadline < self._next_due:
-                self._next_due = deadline
-            if len(queue) > self._compact_at:
-                self._compact()
+            self._arm_in(queue, inst, machine.initial.timeout_seconds)  # type: ignore[arg-type]
         if self._recorder is not None:
             self._recorder.created(self._now, inst)
         return inst

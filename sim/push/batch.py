@@ -52,8 +52,6 @@ class SimBatchIO:
             members=tuple(members),
         )
         self.transport.network.post_transfer(batch)
-        for member in members:
-            member.batch = batch
         return batch
 
     def state(self, transfer: object) -> tuple[XferState, str]:

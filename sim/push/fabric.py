@@ -72,15 +72,19 @@ class SimTransfer:
     fail_on_delivery: bool = False
     members: tuple[SimTransfer, ...] = ()
     """B-13: the requests' WRITEs a batched transfer carries (`batch.py`)."""
-    batch: SimTransfer | None = None
-    """B-13: the batched transfer that carries this request's WRITE, once flushed."""
     post_failed: bool = False
     """B-13: the batched transfer that was to carry it failed to post."""
     error: str | None = None
     batch_key: int = 0
     """B-13: its `push.write_batch` instance, once posted (0: not posted)."""
     transfer: object = None
-    """B-13: the batched transfer carrying it, once posted (the same as `batch`)."""
+    """B-13: the batched transfer carrying it, once posted."""
+
+    @property
+    def batch(self) -> SimTransfer | None:
+        """B-13: the batched transfer that carries this request's WRITE, once flushed."""
+        transfer = self.transfer
+        return transfer if isinstance(transfer, SimTransfer) else None
 
 
 @dataclass(eq=False, slots=True)
