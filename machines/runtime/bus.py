@@ -89,9 +89,17 @@ class EventBus(Delivery):
             raise LocalProtocolError(f"machine {kind.name!r}: instance {key!r} already exists")
         inst = Instance(machine, key, ctx, next(self._serials))
         machine.admit(inst)
+        # `_arm`, inlined as in `dispatch`: a call here costs 5 calls per pushed request
+        # (`push_writer_pass --count`: 588.5 against 583.4).
         queue = machine.initial.timer_queue
         if queue is not None:
-            self._arm_in(queue, inst, machine.initial.timeout_seconds)  # type: ignore[arg-type]
+            deadline = self._now + machine.initial.timeout_seconds  # type: ignore[operator]
+            inst.timer = entry = (deadline, inst)
+            queue.append(entry)
+            if deadline < self._next_due:
+                self._next_due = deadline
+            if len(queue) > self._compact_at:
+                self._compact()
         if self._recorder is not None:
             self._recorder.created(self._now, inst)
         return inst

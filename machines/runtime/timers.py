@@ -39,10 +39,7 @@ class TimerQueues:
         return queue
 
     def _arm(self, inst: Instance[Any], seconds: float) -> None:
-        self._arm_in(self._timer_queue(seconds), inst, seconds)
-
-    def _arm_in(self, queue: deque[TimerEntry], inst: Instance[Any], seconds: float) -> None:
-        """`_arm` with the queue of `seconds` already known (a node holds its own)."""
+        queue = self._timer_queue(seconds)
         deadline = self._now + seconds
         inst.timer = entry = (deadline, inst)
         queue.append(entry)
