@@ -10,7 +10,8 @@ can check the registration is meant for it.
 ``decode_tp_rank`` is kvhandoff's addition (a stock vLLM P ignores it): which D rank
 registers. A stock vLLM D omits it, because its ranks all register the same blocks; such
 a registration stands for every D rank the receiving P rank writes into. Unknown keys are
-skipped, like vLLM does (after `check_msgpack` bounds the bytes, S-01).
+skipped, like vLLM does (after `check_msgpack` bounds the bytes, S-01); a map with none
+decodes without that walk (`_PushRegClosed` says why that is safe).
 
 Member routing (R-P14) needs nothing here: the layer names backing each region travel
 once per peer in the side-channel handshake (``HandshakePayload.region_members``), not
@@ -104,6 +105,24 @@ class _PushRegWire(msgspec.Struct, frozen=True, kw_only=True):
     decode_tp_rank: NonNegativeInt | None = None
 
 
+class _PushRegClosed(_PushRegWire, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The wire map with nothing else in it: the keys vLLM 0.33 sends (and
+    ``decode_tp_rank``), one KV cache group, at most the default cap of block ids.
+
+    Decoding into it needs no structure walk first (S-01): every field has a closed type,
+    so msgspec never skips an unknown value (the only place it recurses without bound)
+    and refuses a wrong type, an unknown key or an array over its announced cap at its
+    header, before it builds anything; an array or string that announces more than the
+    bytes left is refused as truncated; so what it builds is bounded by the notif's byte
+    cap. A repeated key keeps its last value, as vLLM's own dict decode does. Any other
+    message, legal or not, takes the checked path; `tests/test_push_wire.py` checks the
+    two paths agree on generated maps (`test_S_01_*`)."""
+
+    local_block_ids: tuple[
+        Annotated[tuple[NonNegativeInt, ...], msgspec.Meta(max_length=DEFAULT_MAX_PUSH_REG_BLOCKS)]
+    ]
+
+
 def _to_wire(reg: PushRegistration) -> _PushRegWire:
     return _PushRegWire(
         request_id=reg.request_id,
@@ -150,6 +169,7 @@ hostile one full of strings is refused after these, not after `max_items`."""
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(_PushRegWire)
+_CLOSED: Final = msgspec.msgpack.Decoder(_PushRegClosed)
 _CHECK: Final = msgspec.msgpack.Decoder(PushRegistration)
 """Re-validates a registration built locally against its field constraints."""
 
@@ -201,15 +221,22 @@ def decode_push_reg(
     if not data.startswith(PUSH_REG_PREFIX):
         raise RemoteProtocolError("notif does not start with PUSH_REG:", peer=peer)
     body = memoryview(data)[len(PUSH_REG_PREFIX) :]
-    check_msgpack(
-        body,
-        max_items=2 * max_blocks + 64,
-        max_other=MAX_PUSH_REG_OTHER,
-        what="PUSH_REG",
-        peer=peer,
-    )
     try:
-        reg = _from_wire(_DECODER.decode(body))
+        wire: _PushRegWire = _CLOSED.decode(body)  # the common form, safe unwalked
+    except MSGPACK_DECODE_ERRORS:
+        check_msgpack(  # anything else is walked first (S-01), then decoded leniently
+            body,
+            max_items=2 * max_blocks + 64,
+            max_other=MAX_PUSH_REG_OTHER,
+            what="PUSH_REG",
+            peer=peer,
+        )
+        try:
+            wire = _DECODER.decode(body)
+        except MSGPACK_DECODE_ERRORS as exc:
+            raise RemoteProtocolError(f"malformed PUSH_REG: {exc}", peer=peer) from exc
+    try:
+        reg = _from_wire(wire)
     except MSGPACK_DECODE_ERRORS as exc:
         raise RemoteProtocolError(f"malformed PUSH_REG: {exc}", peer=peer) from exc
     problem = _problem(reg, max_blocks)

@@ -6,7 +6,9 @@ completion notif).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -22,6 +24,7 @@ from push_wire_strategies import (
     sample_registration,
 )
 
+from kvhandoff.protocol import push_wire
 from kvhandoff.protocol.blocks import check_within_capacity, expand_to_physical
 from kvhandoff.protocol.errors import LocalProtocolError, RemoteProtocolError
 from kvhandoff.protocol.notifs import (
@@ -260,6 +263,94 @@ def test_R_P02_decode_push_reg_on_mutated_maps_raises_only_remote_errors(
         # optional fields come back with their default
         defaults = {"remote_pp_size": 1, "decode_tp_rank": None}
         assert msgspec.msgpack.decode(body) == {**defaults, **sent}
+
+
+# --- S-01: a PUSH_REG of the closed form decodes without the structure walk --------
+
+_DEEP = b"\x91" * 50_000 + b"\x00"
+"""50,000 arrays deep: a recursive skip of it would exhaust the C stack."""
+
+
+class _RefusesAll:
+    """Stands in for the closed-form decoder: every message takes the walked path."""
+
+    def decode(self, body: object) -> object:
+        raise msgspec.ValidationError("forced onto the walked path")
+
+
+def _outcome(data: bytes, *, walked_only: bool) -> PushRegistration | type[Exception]:
+    patch = mock.patch.object(push_wire, "_CLOSED", _RefusesAll()) if walked_only else nullcontext()
+    with patch:
+        try:
+            return decode_push_reg(data, peer=PEER)
+        except RemoteProtocolError as exc:
+            assert exc.peer == PEER
+            return RemoteProtocolError
+
+
+def _mapped(raw: dict[str, Any], field: str, value: Any) -> bytes:
+    """The map's bytes with `field`'s value replaced by raw msgpack `value` bytes."""
+    marker = 0x7B  # a fixint no sample field holds: replaced below by `value`
+    body = msgspec.msgpack.encode({**raw, field: marker})
+    at = body.rindex(bytes((marker,)))
+    return PUSH_REG_PREFIX + body[:at] + value + body[at + 1 :]
+
+
+def test_S_01_push_reg_of_known_keys_decodes_without_the_walk() -> None:
+    """vLLM 0.33's map and kvhandoff's (with `decode_tp_rank`) never reach
+    `check_msgpack`; a map with a key of neither does."""
+    walked: list[str] = []
+    stock = raw_reg_dict()
+    del stock["decode_tp_rank"]
+
+    def record(body: object, **limits: object) -> None:
+        walked.append(str(limits["what"]))
+
+    with mock.patch.object(push_wire, "check_msgpack", record):
+        assert decode_push_reg(encode_push_reg(sample_registration())) == sample_registration()
+        assert decode_push_reg(push_reg_bytes(stock)).decode_tp_rank is None
+        assert walked == []
+        decode_push_reg(push_reg_bytes(raw_reg_dict(unexpected=[1])))
+    assert walked == ["PUSH_REG"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("local_block_ids", _DEEP),  # nested past the schema's own depth
+        ("local_block_ids", b"\x91" + _DEEP),
+        ("local_block_ids", b"\x91\xdd\xff\xff\xff\xff"),  # 2**32 - 1 ids announced
+        ("local_block_ids", b"\x91\xdd\x00\x01\x00\x01" + b"\x01" * 0x10001),  # over the cap
+        ("local_block_ids", b"\x92\x90\x90"),  # two KV cache groups
+        ("request_id", b"\xdb\xff\xff\xff\xff"),  # a 4 GiB string announced
+        ("decode_port", _DEEP),
+        ("decode_tp_rank", b"\xc3"),
+    ],
+)
+def test_S_01_push_reg_known_keys_with_hostile_values_are_refused_on_both_paths(
+    field: str, value: bytes
+) -> None:
+    data = _mapped(raw_reg_dict(), field, value)
+    assert _outcome(data, walked_only=False) is RemoteProtocolError
+    assert _outcome(data, walked_only=True) is RemoteProtocolError
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    edits=st.dictionaries(
+        st.sampled_from([*VLLM_PUSH_REG_KEYS, "decode_tp_rank", "extra"]),
+        msgpack_values | st.lists(st.lists(st.integers(-2, 2**33), max_size=6), max_size=3),
+        max_size=4,
+    ),
+    dropped=st.sets(st.sampled_from([*VLLM_PUSH_REG_KEYS, "decode_tp_rank"]), max_size=2),
+)
+def test_S_01_push_reg_closed_decode_agrees_with_the_walked_decode(
+    edits: dict[str, Any], dropped: set[str]
+) -> None:
+    """Whatever a peer puts in the map, skipping the walk changes no outcome."""
+    raw = {k: v for k, v in raw_reg_dict(**edits).items() if k not in dropped}
+    data = push_reg_bytes(raw)
+    assert _outcome(data, walked_only=False) == _outcome(data, walked_only=True)
 
 
 # --- R-P06: block expansion and completion notif ----------------------------------
