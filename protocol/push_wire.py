@@ -170,8 +170,6 @@ hostile one full of strings is refused after these, not after `max_items`."""
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DECODER: Final = msgspec.msgpack.Decoder(_PushRegWire)
 _CLOSED: Final = msgspec.msgpack.Decoder(_PushRegClosed)
-_CHECK: Final = msgspec.msgpack.Decoder(PushRegistration)
-"""Re-validates a registration built locally against its field constraints."""
 
 
 def _problem(reg: PushRegistration, max_blocks: int) -> str | None:
@@ -191,18 +189,18 @@ def encode_push_reg(reg: PushRegistration) -> bytes:
     The bytes are checked with the same rules the receiver applies, so a bad local
     registration raises `LocalProtocolError` here instead of failing on the peer.
     """
-    try:
-        _CHECK.decode(_ENCODER.encode(reg))
-        payload = _ENCODER.encode(_to_wire(reg))
-    except MSGPACK_DECODE_ERRORS as exc:
-        raise LocalProtocolError(
-            f"cannot encode PUSH_REG for request {reg.request_id!r}: {exc}"
-        ) from exc
     problem = _problem(reg, DEFAULT_MAX_PUSH_REG_BLOCKS)
     if problem is not None:
         raise LocalProtocolError(
             f"cannot encode PUSH_REG for request {reg.request_id!r}: {problem}"
         )
+    try:
+        payload = _ENCODER.encode(_to_wire(reg))
+        _CLOSED.decode(payload)  # the receiver's own decoder
+    except MSGPACK_DECODE_ERRORS as exc:
+        raise LocalProtocolError(
+            f"cannot encode PUSH_REG for request {reg.request_id!r}: {exc}"
+        ) from exc
     return PUSH_REG_PREFIX + payload
 
 
