@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from push_harness import D_ENGINE, P_ENGINE, writer
+from push_harness import D_ENGINE, P_ENGINE, Halves, from_p, writer
 
 from kvhandoff.adapters.push_side import PushSide
 from kvhandoff.bench.probes.push_writer_pass import (
@@ -23,12 +23,14 @@ from kvhandoff.bench.probes.push_writer_pass import (
     connect_deferred,
 )
 from kvhandoff.machines.kv.effects import ReportToMain, SendRegistration, StartHandshake
-from kvhandoff.machines.kv.events import HandshakeStarted, Matched, WritePosted
+from kvhandoff.machines.kv.events import Completion, HandshakeStarted, Matched, RegSent, WritePosted
+from kvhandoff.machines.push.d_registration import D_REGISTRATION
 from kvhandoff.machines.push.remote_engine import REMOTE_ENGINE
 from kvhandoff.machines.push.scheduler import LocalEngine, PushScheduler
 from kvhandoff.machines.rank.worker import REPORTS_BETWEEN, PushWorker
+from kvhandoff.protocol.errors import RemoteProtocolError
 from kvhandoff.protocol.legs import PrefillCoordinates, decode_leg
-from kvhandoff.protocol.notifs import encode_completion_notif
+from kvhandoff.protocol.notifs import encode_completion_notif, parse_notif
 from kvhandoff.protocol.push_config import PushConfig
 
 REQUESTS = 20
@@ -250,3 +252,72 @@ def test_R_T02_scheduler_hooks_probe_reports_every_request_once() -> None:
     decode, prefill = _decode(8, 2), _prefill(8, 2)
     assert set(decode) == {"alloc", "meta", "out"} and set(prefill) == {"finish", "meta", "out"}
     assert all(value > 0 for value in [*decode.values(), *prefill.values()])
+
+
+_SENDERS = (("prefill-0-agent1", 0), ("prefill-0-agent2", 1), ("stranger", None))
+
+
+def _d_with_registrations(sent: set[int]) -> Halves:
+    """D's scheduler and rank with five registrations handed over (`cmpl-d{q}-0`), the
+    ones in `sent` sent (receiving), from a P of TP 2; the bus records every transition."""
+    d = Halves("decode")
+    prefill = PrefillCoordinates(P_ENGINE.engine_id, P_ENGINE.host, P_ENGINE.port, 2)
+    for q in range(5):
+        leg = decode_leg({"request_id": f"cmpl-d{q}-0"}, prefill)
+        d.sched.update_state_after_alloc(f"cmpl-d{q}-0", [q], leg["kv_transfer_params"], 0.0)
+    d.hand_over()
+    d.worker.take_writer_items([ReportToMain(f"cmpl-d{q}-0", RegSent()) for q in sent], 0.0)
+    return d
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    notifs=st.lists(
+        st.tuples(
+            st.integers(0, 5),  # 5: a request D does not know
+            st.integers(0, len(_SENDERS) - 1),
+            st.sampled_from([None, 1.0, 2.0, 200.0]),  # 200: past the registration watchdog
+            st.sampled_from([1, 2]),
+        ),
+        max_size=24,
+    ),
+    sent=st.sets(st.integers(0, 4)),
+)
+def test_R_P08_completion_notifs_apply_in_batches_as_one_at_a_time(
+    notifs: list[tuple[int, int, float | None, int]], sent: set[int]
+) -> None:
+    """D's rank applies a pass's completion notifs as one batch per sender and time: the
+    registrations go through the same transitions, and the same notifs are refused, as
+    when each is dispatched alone at the time it was taken."""
+    items = []
+    for q, s, at, tp_size in notifs:
+        agent, rank = _SENDERS[s]
+        notif = parse_notif(encode_completion_notif(f"cmpl-d{q}-0", tp_size), peer=agent)
+        items.append(from_p(notif, agent, rank, at))  # type: ignore[arg-type]
+    now = 300.0
+
+    batched = _d_with_registrations(sent)
+    batched_trace: list[str] = []
+    batched.bus.record(batched_trace.append)
+    batched.worker.take_writer_items(items, now)
+
+    alone = _d_with_registrations(sent)
+    alone_trace: list[str] = []
+    alone.bus.record(alone_trace.append)
+    bus = alone.bus
+    for item in items:
+        at = now if item.at is None or item.at > now else item.at
+        if at > bus.now:
+            bus.advance(at)
+        event = Completion(item.peer, item.engine, item.rank, item.notif.tp_size)  # type: ignore[union-attr]
+        try:
+            bus.dispatch(D_REGISTRATION, item.notif.request_id, event, bus.now)  # type: ignore[union-attr]
+        except RemoteProtocolError as exc:
+            alone.worker.reject(item.peer, exc, now)
+    bus.advance(now)
+
+    assert batched_trace == alone_trace
+    for peer in (None, *(agent for agent, _rank in _SENDERS)):
+        assert batched.worker.rejections.count(peer) == alone.worker.rejections.count(peer)
+    assert batched.worker.rejections.reasons() == alone.worker.rejections.reasons()
+    assert batched.finish() == alone.finish()

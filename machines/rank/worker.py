@@ -294,15 +294,45 @@ class PushWorker:
         if not notifs:
             return
         bus = self.bus
+        landed: list[str] = []  # D's completion notifs of one sender, taken at one time
+        completion: Completion | None = None
         for notif in notifs:
             at = now if notif.at is None or notif.at > now else notif.at
+            landing = self._push_completion(notif)
+            event = None if landing is None else landing[0]
+            if completion is not None and landed and (event != completion or at > bus.now):
+                self._on_completions(completion, landed, now)
+                landed = []
             if at > bus.now:
                 bus.advance(at)  # what was due before it arrived fires first
+            if landing is not None:
+                completion = landing[0]
+                landed.append(landing[1])
+                continue
             try:
                 self._on_notif(notif, bus.now)
             except RemoteProtocolError as exc:
                 self.reject(notif.peer, exc, now)
+        if completion is not None and landed:
+            self._on_completions(completion, landed, now)
         bus.advance(now)
+
+    def _push_completion(self, item: ForwardToMain) -> tuple[Completion, str] | None:
+        """The event and request of a completion notif to a push D rank (batched per
+        sender and time: a writer pass hands them over together), else None."""
+        notif = item.notif
+        if isinstance(notif, CompletionNotif) and self.role == "decode" and self.mode == "push":
+            event = Completion(item.peer, item.engine, item.rank, notif.tp_size)
+            return event, notif.request_id
+        return None
+
+    def _on_completions(self, event: Completion, request_ids: list[str], now: float) -> None:
+        """One sender's completion notifs, taken at one time, as one batch: each request's
+        registration counts it, as `dispatch` would one by one; an unknown or refused one
+        is the sender's rejection."""
+        for _key, exc in self.bus.dispatch_many(D_REGISTRATION, request_ids, event, self.bus.now):
+            if isinstance(exc, RemoteProtocolError):
+                self.reject(event.sender, exc, now)
 
     def reject(self, peer: str | None, exc: RemoteProtocolError | str, now: float) -> None:
         self.rejections.reject(peer, exc, now)
@@ -339,9 +369,6 @@ class PushWorker:
         elif isinstance(notif, CompletionNotif) and self.role == "prefill" and self.mode == "pull":
             event = Completion(peer, item.engine, item.rank, notif.tp_size)
             self.bus.dispatch(PULL_P_LEASE, notif.request_id, event, now)
-        elif isinstance(notif, CompletionNotif) and self.role == "decode" and self.mode == "push":
-            event = Completion(peer, item.engine, item.rank, notif.tp_size)
-            self.bus.dispatch(D_REGISTRATION, notif.request_id, event, now)
         elif isinstance(notif, WriteFailedNotif) and self.role == "decode" and self.mode == "push":
             failed = WriteFailed(peer, item.engine, item.rank, notif.reason)
             self.bus.dispatch(D_REGISTRATION, notif.request_id, failed, now)
