@@ -491,7 +491,9 @@ def test_B_13_a_batch_completing_in_error_fails_every_request_and_sends_no_notif
     transfer = _transfer_of(transport, handles[0])
     assert transfer is _transfer_of(transport, handles[1])
     assert [transport.poll(h) for h in handles] == ["PROC", "PROC"], "until the writer settles"
-    while agent.poll(transfer) == "PROC":  # bounded by the test's timeout
+    # Not `wait_for`: its pump runs the writer's `complete_writes`, which would settle the
+    # batch DONE before it is made to fail. Polled, not slept on; the test's timeout bounds it.
+    while agent.poll(transfer) == "PROC":
         time.sleep(0.001)
     transfer.xfer_status = "ERR"  # as a failed transfer leaves it
     transport.complete_writes(time.monotonic())
