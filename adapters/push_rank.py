@@ -143,7 +143,7 @@ class PushRank(RankWriterSide):
         P's finished blocks wait for a registration (R-P07) or WRITEs are in flight (the
         writer settles them, B-13); None: until woken."""
         if self.writes_in_flight:
-            interval = self.writer.poll_interval_s
+            interval = self.transport.write_poll_interval_s or self.writer.poll_interval_s
             own = self.self_poll_interval_s
             return interval if own is None else min(own, interval)
         return self.self_poll_interval_s

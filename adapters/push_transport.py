@@ -142,6 +142,11 @@ class PushTransport(Protocol):
         The writer thread flushes at the end of every writer pass."""
         ...
 
+    write_poll_interval_s: float | None
+    """How soon the writer polls again while WRITEs are in flight; None: the writer's own
+    `push_writer_poll_interval_ms` (a transport whose transfers end within microseconds,
+    a CUDA IPC launch, asks for less)."""
+
     def complete_writes(self, now: float) -> int:
         """Writer thread, each pass: settle the batched WRITEs whose transfer ended (a
         landed one's completion notifs leave here, after its bytes) and cancel those the

@@ -28,14 +28,25 @@ Failure: a transfer that fails to post fails its requests at once ("ERR", `post_
 set, B-14 counts them under "post"); one that ends in error, or whose notifs cannot be
 sent, fails its requests; a request released in flight cancels its whole transfer (see
 `push.write_batch`). A request released before the flush is never posted.
+
+A transfer that cannot be stopped once posted (a CUDA IPC launch: `cancels_in_flight`
+off) is left to end: a request released meanwhile only keeps its completion notif back
+(its bytes land, D must not hear of them), and its batch mates complete as usual.
+
+One rank's writer bus may carry several of these (the NIXL batcher and the CUDA IPC
+launches wrapped around it): they share the bus's `push.write_batch` kind, its serial
+keys and its effect handlers (`_BusBatches`), and each instance's effects go to the
+`WriteBatches` that posted it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Hashable
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from kvhandoff.adapters.push_transport import XferState
 from kvhandoff.machines.push.write_batch import (
@@ -106,15 +117,19 @@ class BatchIO(Protocol[M]):
 class WriteBatches(Generic[M]):
     """The queue of one rank's WRITEs and the `push.write_batch` instances posted from it."""
 
-    def __init__(self, io: BatchIO[M], post_every: int = 0) -> None:
+    def __init__(
+        self, io: BatchIO[M], post_every: int = 0, *, cancels_in_flight: bool = True
+    ) -> None:
         self.io = io
         self.post_every = post_every
         """Queued WRITEs of one group that are posted at once, before the pass ends (0:
         never)."""
+        self.cancels_in_flight = cancels_in_flight
+        """Whether a release cancels a transfer in flight (NIXL: yes; a CUDA launch: no,
+        the released request only keeps its notif back)."""
         self._queued: list[M] = []
         self._errors: list[tuple[str, KvHandoffError]] = []  # early posts', for `flush`
         self._releases: deque[M] = deque()  # main -> writer
-        self._serial = 0
         self.batches_posted = 0
         """Transfers posted (one per flush per group)."""
         self.writes_batched = 0
@@ -123,21 +138,18 @@ class WriteBatches(Generic[M]):
         """Transfers whose requests' outcomes were published (done, failed, cancelled)."""
         self.bus = EventBus()
         """Its own until `bind` gives it the writer's."""
-        self._bind(self.bus)
+        self._on_bus = _BusBatches.of(self.bus)
 
     def bind(self, bus: EventBus) -> None:
         """Run the batches on `bus` (the writer's) from now on; none may be in flight."""
-        if self.bus.live(WRITE_BATCH):
+        if self._mine():
             raise KvHandoffError("cannot move batched WRITEs to another bus while in flight")
         self.bus = bus
-        self._bind(bus)
+        self._on_bus = _BusBatches.of(bus)
 
-    def _bind(self, bus: EventBus) -> None:
-        if WRITE_BATCH.name not in bus.kinds():
-            bus.register(WRITE_BATCH)
-        bus.handle(SendCompletionNotifs, self._send_notifs)
-        bus.handle(CancelTransfer, self._cancel)
-        bus.handle(SettleMembers, self._settle)
+    def _mine(self) -> list[Instance[WriteBatchCtx]]:
+        """This batcher's transfers in flight, oldest first (the bus may carry another's)."""
+        return [i for i in self.bus.instances(WRITE_BATCH) if i.ctx.owner is self]
 
     # -- the writer thread ---------------------------------------------------------------
 
@@ -179,8 +191,7 @@ class WriteBatches(Generic[M]):
                 member.post_failed = True
                 _publish(member, "ERR", str(exc))
             return exc
-        self._serial += 1
-        key = self._serial
+        key = next(self._on_bus.serials)
         engine_id, rank = self.io.engine_of(members[0])
         for member in members:
             member.transfer = transfer
@@ -192,6 +203,7 @@ class WriteBatches(Generic[M]):
             tuple(m.notif for m in members if m.notif),
             transfer,
             tuple(members),
+            owner=self,
         )
         self.bus.create(WRITE_BATCH, ctx, self.bus.now)
         self.batches_posted += 1
@@ -200,27 +212,44 @@ class WriteBatches(Generic[M]):
 
     def complete(self, now: float) -> int:
         """Settle the transfers of requests the main thread released (cancelled, unless
-        the bytes had landed), then poll the ones in flight: a landed one sends its
-        notifs and settles, one that failed settles. Returns how many are still in
-        flight (the writer keeps polling while any is)."""
+        the bytes had landed or the transfer cannot be cancelled), then poll the ones in
+        flight: a landed one sends its notifs and settles, one that failed settles.
+        Returns how many are still in flight (the writer keeps polling while any is)."""
         bus = self.bus
         state = self.io.state
         releases = self._releases
         while releases:
             write = releases.popleft()
             key = write.batch_key
-            if not key or write.xfer_status != "PROC" or bus.get(WRITE_BATCH, key) is None:
+            if not self.cancels_in_flight or not key or write.xfer_status != "PROC":
+                continue
+            if bus.get(WRITE_BATCH, key) is None:
                 continue
             if state(write.transfer)[0] != "DONE":
                 bus.dispatch(WRITE_BATCH, key, BatchCancelled(), now)
-        if bus.live(WRITE_BATCH):
-            for inst in bus.instances(WRITE_BATCH):
-                status, error = state(inst.ctx.transfer)
-                if status == "DONE":
-                    bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferLanded(), now)
-                elif status == "ERR":
-                    bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
-        return bus.live(WRITE_BATCH)
+        mine = self._mine()
+        for inst in mine:
+            status, error = state(inst.ctx.transfer)
+            if status == "DONE":
+                bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferLanded(), now)
+            elif status == "ERR":
+                bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
+        return len(self._mine()) if mine else 0
+
+    def fail_group(self, group: Hashable, error: str, now: float) -> None:
+        """Writer thread: the peer behind `group` is gone (B-08): its queued WRITEs fail
+        unposted and its transfers in flight fail (each waits for its end in the
+        transport's `release`), before the transport lets go of the peer's memory."""
+        key_of = self.io.group
+        gone = [w for w in self._queued if key_of(w) == group]
+        if gone:
+            self._queued = [w for w in self._queued if key_of(w) != group]
+            for write in gone:
+                _publish(write, "ERR", error)
+        for inst in self._mine():
+            members = inst.ctx.members
+            if members and key_of(cast(M, members[0])) == group:
+                self.bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
 
     def any_ended(self) -> bool:
         """Whether a transfer in flight has ended or a release waits for the writer: its
@@ -228,15 +257,18 @@ class WriteBatches(Generic[M]):
         if self._releases:
             return True
         state = self.io.state
-        return any(state(i.ctx.transfer)[0] != "PROC" for i in self.bus.instances(WRITE_BATCH))
+        return any(state(i.ctx.transfer)[0] != "PROC" for i in self._mine())
 
     # -- the machine's effects (writer thread) ---------------------------------------------
 
     def _send_notifs(self, inst: Instance[Any] | None, effect: SendCompletionNotifs) -> None:
         ctx = _ctx(inst)
+        notifs = effect.notifs
+        if not self.cancels_in_flight:  # a request released under the launch: no notif
+            notifs = tuple(m.notif for m in _members(ctx) if m.notif and not m.released)
         try:
-            if effect.notifs:
-                self.io.send_notifs(cast(M, ctx.members[0]), effect.notifs)
+            if notifs:
+                self.io.send_notifs(cast(M, ctx.members[0]), notifs)
         except KvHandoffError as exc:
             self.bus.dispatch(WRITE_BATCH, ctx.key, NotifsFailed(str(exc)), self.bus.now)
         else:
@@ -269,18 +301,51 @@ class WriteBatches(Generic[M]):
     def release(self, write: M) -> None:
         """Idempotent. A request still in flight has its whole transfer released (NIXL
         cancels it) here and now, and the writer's next `complete` settles the batch as
-        cancelled; one never posted is never posted."""
+        cancelled; one never posted is never posted. Without `cancels_in_flight` the
+        flag alone is set: the writer keeps the request's notif back."""
         if write.released:
             return
         write.released = True
         transfer = write.transfer
         if (
-            transfer is not None
+            self.cancels_in_flight
+            and transfer is not None
             and write.xfer_status == "PROC"
             and self.io.state(transfer)[0] == "PROC"
         ):
             self._release(transfer)
         self._releases.append(write)
+
+
+class _BusBatches:
+    """The `push.write_batch` kind on one bus, shared by every `WriteBatches` bound to it:
+    one serial sequence for the keys, and handlers that hand each instance's effects to
+    the `WriteBatches` that posted it (`WriteBatchCtx.owner`)."""
+
+    _of: ClassVar[weakref.WeakKeyDictionary[EventBus, _BusBatches]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, bus: EventBus) -> None:
+        self.serials = itertools.count(1)
+        if WRITE_BATCH.name not in bus.kinds():
+            bus.register(WRITE_BATCH)
+        bus.handle(SendCompletionNotifs, lambda i, e: _owner(i)._send_notifs(i, e))
+        bus.handle(CancelTransfer, lambda i, e: _owner(i)._cancel(i, e))
+        bus.handle(SettleMembers, lambda i, e: _owner(i)._settle(i, e))
+
+    @classmethod
+    def of(cls, bus: EventBus) -> _BusBatches:
+        found = cls._of.get(bus)
+        if found is None:
+            found = cls._of[bus] = cls(bus)
+        return found
+
+
+def _owner(inst: Instance[Any] | None) -> WriteBatches[Any]:
+    return cast(WriteBatches[Any], _ctx(inst).owner)
+
+
+def _members(ctx: WriteBatchCtx) -> tuple[BatchMember, ...]:
+    return cast(tuple[BatchMember, ...], ctx.members)
 
 
 def _publish(write: BatchMember, state: XferState, error: str) -> None:

@@ -59,14 +59,12 @@ class PushBenchConfig:
     (`WriteBatcher.post_every`; 0: all of a pass in one transfer when it ends)."""
     ipc_launch_every: int = 0
     """cuda_ipc: queued WRITEs per D rank that launch a kernel from the writer at once
-    (0: all of a writer pass in one launch, at P's next poll)."""
-    ipc_launch_at_flush: bool = False
-    """cuda_ipc: launch from the writer when its pass ends, not at the next poll."""
+    (0: all of a writer pass in one launch, when the pass ends)."""
+    ipc_poll_us: float = 100.0
+    """cuda_ipc: how soon P's writer asks a running launch's event again."""
     ipc_kernel: str = "auto"
     """cuda_ipc: the gather-scatter kernel, "cuda_core", "triton" or "auto" (cuda_core
     where it loads)."""
-    ipc_notifier: bool = False
-    """cuda_ipc: send completion notifs from a thread waiting on the kernel's event."""
     transport: TransportPath = "nixl"
     """"cuda_ipc": wrap the NIXL transport in `IpcPushTransport` (same-host WRITEs by one
     CUDA IPC gather-scatter kernel per writer pass, NIXL for the rest and the baseline)."""

@@ -78,8 +78,7 @@ class BenchSide:
                 device=self.gpu,
                 export=role == "decode",
                 launch_every=cfg.ipc_launch_every,
-                notifier=cfg.ipc_notifier,
-                launch_at_flush=cfg.ipc_launch_at_flush,
+                poll_interval_s=cfg.ipc_poll_us * 1e-6,
                 kernel=cfg.ipc_kernel,  # type: ignore[arg-type]
                 cross_device=cfg.ipc_cross_device,  # type: ignore[arg-type]
             )

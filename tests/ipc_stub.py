@@ -38,6 +38,7 @@ class StubNixl:
     forgotten: list[str] = field(default_factory=list)
     peer_extensions: frozenset[str] = frozenset()
     advertised: tuple[str, ...] = ()
+    bound: object = None
 
     @property
     def layout(self) -> StubLayout:
@@ -92,6 +93,17 @@ class StubNixl:
 
     def flush_writes(self) -> list[tuple[str, Exception]]:
         return []
+
+    write_poll_interval_s: float | None = None
+
+    def complete_writes(self, now: float) -> int:
+        return 0
+
+    def bind_bus(self, bus: object) -> None:
+        self.bound = bus
+
+    def progress(self) -> None:
+        pass
 
     def poll(self, handle: StubHandle) -> str:
         return "DONE"

@@ -98,7 +98,11 @@ def _local() -> tuple[list[torch.Tensor], tuple[MemberSlot, ...]]:
 
 
 def _wait(ipc: IpcPushTransport, handles: list[IpcHandle]) -> list[str]:
+    """Act as P's writer thread: end the pass (launch what is queued), then complete
+    launches until every handle's outcome is published."""
+    ipc.flush_writes()
     for _ in range(100_000):
+        ipc.complete_writes(ipc.clock())
         states = [ipc.poll(h) for h in handles]
         if "PROC" not in states:
             return states

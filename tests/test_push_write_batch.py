@@ -231,3 +231,105 @@ def test_B_13_every_request_ends_once_and_nothing_lands_after_its_release(
             assert not notified & {m.notif for m in transfer.members}, "no notif once cancelled"
     posted = [w for t in io.transfers for w in t.members]
     assert all(w.xfer_status != "PROC" for w in posted), "every posted request settled"
+
+
+def test_B_13_two_queues_on_one_bus_each_settle_their_own() -> None:
+    """A rank's NIXL batcher and its CUDA IPC launches share the writer's bus: keys never
+    collide, and each instance's effects reach the queue that posted it."""
+    from kvhandoff.machines.runtime.bus import EventBus
+
+    bus = EventBus()
+    ios = (RecordingIO(), RecordingIO())
+    queues: list[WriteBatches[Write]] = [WriteBatches(io) for io in ios]
+    for queue in queues:
+        queue.bind(bus)
+    writes = [queue.queue(Write(0, f"q{i}:1".encode())) for i, queue in enumerate(queues)]
+    for queue in queues:
+        queue.flush()
+    assert writes[0].batch_key != writes[1].batch_key and bus.live(WRITE_BATCH) == 2
+    ios[1].transfers[0].state = "DONE"
+    assert queues[0].complete(1.0) == 1, "the other queue's landed transfer is not ours"
+    assert [a for n, a in ios[0].calls if n == "send_notifs"] == []
+    assert queues[1].complete(1.0) == 0
+    assert [a for n, a in ios[1].calls if n == "send_notifs"] == [(b"q1:1",)]
+    assert [w.xfer_status for w in writes] == ["PROC", "DONE"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["queue", "flush", "land", "fail", "release", "complete"]),
+            st.integers(0, 5),
+            st.integers(0, 1),
+        ),
+        max_size=40,
+    )
+)
+def test_B_13_a_transfer_that_cannot_be_cancelled_runs_to_its_end(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """`cancels_in_flight` off (a CUDA IPC launch), any interleaving: the main thread's
+    release reaches no transport call; a transfer is freed only once it ended; a request
+    released before its transfer's notifs left never has its notif sent, and every
+    other request of a landed transfer does; a published outcome never changes."""
+    io = RecordingIO()
+    batches: WriteBatches[Write] = WriteBatches(io, cancels_in_flight=False)
+    writes: list[Write] = []
+    seen: dict[int, XferState] = {}
+    released_before_notifs: set[bytes] = set()
+    now = 0.0
+    for op, index, rank in ops:
+        now += 1.0
+        if op == "queue":
+            writes.append(batches.queue(Write(rank, f"req-{len(writes)}:1".encode())))
+        elif op == "flush":
+            batches.flush()
+        elif op in ("land", "fail") and io.transfers:
+            transfer = io.transfers[index % len(io.transfers)]
+            if transfer.state == "PROC":
+                transfer.state = "DONE" if op == "land" else "ERR"
+        elif op == "release" and writes:
+            write = writes[index % len(writes)]
+            calls = len(io.calls)
+            if write.xfer_status == "PROC":
+                released_before_notifs.add(write.notif)
+            batches.release(write)
+            assert len(io.calls) == calls, "the main thread's release calls no transport"
+        elif op == "complete":
+            batches.complete(now)
+        for transfer in io.transfers:
+            if transfer.released:
+                assert transfer.state != "PROC", "freed only once it ended"
+        for i, write in enumerate(writes):
+            if i in seen:
+                assert write.xfer_status == seen[i], "a published outcome never changes"
+            elif write.xfer_status != "PROC":
+                seen[i] = write.xfer_status
+    batches.flush()
+    for transfer in io.transfers:
+        if transfer.state == "PROC":
+            transfer.state = "DONE"
+    assert batches.complete(now + 1.0) == 0
+    assert all(t.released for t in io.transfers), "every transfer freed"
+    notified = [n for name, arg in io.calls if name == "send_notifs" for n in arg]  # type: ignore[attr-defined]
+    assert not released_before_notifs & set(notified), "a released request's notif stays"
+    for transfer in io.transfers:
+        if transfer.state == "DONE":
+            expected = {m.notif for m in transfer.members} - released_before_notifs
+            assert expected <= set(notified), "its batch mates are notified"
+
+
+def test_B_08_fail_group_fails_queued_and_running_transfers_of_that_peer_only() -> None:
+    io = RecordingIO()
+    batches: WriteBatches[Write] = WriteBatches(io, cancels_in_flight=False)
+    running = [batches.queue(Write(rank, f"r{rank}:1".encode())) for rank in (0, 1)]
+    batches.flush()
+    queued = batches.queue(Write(0, b"q0:1"))
+    batches.fail_group(0, "peer gone", 1.0)
+    assert (running[0].xfer_status, queued.xfer_status) == ("ERR", "ERR")
+    assert running[0].error == queued.error == "peer gone"
+    assert running[1].xfer_status == "PROC", "the other peer's transfer runs on"
+    assert io.transfers[0].released and not io.transfers[1].released
+    assert batches.flush() == [] and len(io.transfers) == 2, "the failed write never posts"
+    assert [a for n, a in io.calls if n == "send_notifs"] == []

@@ -1,23 +1,21 @@
 """The records of the CUDA IPC push transport (issue 18): one request's WRITE
-(`IpcHandle`), one kernel launch carrying several of them (`IpcBatch`), and the
-transport's counters (`IpcStats`). `ipc_transport.py` owns and mutates them."""
+(`IpcHandle`, a `write_batches.BatchMember`), one kernel launch carrying several of them
+(`IpcLaunch`, the transfer of a `push.write_batch` instance), and the transport's
+counters (`IpcStats`). The writer thread writes them; the main thread reads a handle's
+`xfer_status` and sets its `released` flag."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvhandoff.adapters.push_transport import XferState
-from kvhandoff.protocol.errors import KvHandoffError
 
 if TYPE_CHECKING:
-    from kvhandoff.adapters.cuda.ipc_peer import Copy
+    from kvhandoff.adapters.cuda.ipc_peer import Copy, OpenedPeer
 
-log = logging.getLogger("kvhandoff.adapters.cuda.ipc_transport")
-
-__all__ = ["IpcBatch", "IpcHandle", "IpcStats"]
+__all__ = ["IpcHandle", "IpcLaunch", "IpcStats"]
 
 
 @dataclass(eq=False, slots=True)
@@ -31,39 +29,27 @@ class IpcHandle:
     notif: bytes
     xfer_status: XferState = "PROC"
     released: bool = False
-    batch: IpcBatch | None = None
-    """The launch that carries it (None while queued)."""
+    error: str | None = None
+    post_failed: bool = False
+    """Its launch failed to start (B-14 counts it under "post")."""
+    batch_key: int = 0
+    """Its `push.write_batch` instance, once launched (0: queued)."""
+    transfer: object = None
+    """The `IpcLaunch` carrying it, once launched."""
 
 
 @dataclass(eq=False, slots=True)
-class IpcBatch:
-    """One launch to one D rank (`key`) and the WRITEs it carries."""
+class IpcLaunch:
+    """One gather-scatter launch to one D rank (`key`): what ends it, and the peer whose
+    buffers it uses until `retired`."""
 
     key: str
-    event: Copy
-    """Ends with the launch (`query`, `synchronize`); given back to its peer once done."""
-    handles: list[IpcHandle]
-    failed: bool = False
-    """The launch ended in a CUDA error: its requests fail, no notif leaves."""
-
-    def ended(self) -> bool:
-        """Whether the launch ended (an error ends it too, as a failure)."""
-        try:
-            return self.event.query()
-        except (RuntimeError, KvHandoffError) as exc:
-            self._failed(exc)
-            return True
-
-    def wait(self) -> None:
-        """Until the launch ended (an error ends it too, as a failure)."""
-        try:
-            self.event.synchronize()
-        except (RuntimeError, KvHandoffError) as exc:
-            self._failed(exc)
-
-    def _failed(self, exc: Exception) -> None:
-        log.warning("IPC gather-scatter copy to %s failed: %s", self.key, exc)
-        self.failed = True
+    copy: Copy
+    """Ends with the launch (`query`, `synchronize`); given back to `peer` once done."""
+    peer: OpenedPeer
+    error: str = ""
+    """Set once the launch ended in a CUDA error: its requests fail, no notif leaves."""
+    retired: bool = False
 
 
 @dataclass(slots=True)
@@ -74,6 +60,6 @@ class IpcStats:
     opened_peers: int = 0
     refused_peers: dict[str, str] = field(default_factory=dict)
     kernel: str = ""
+    """The gather-scatter kernel of the last opened peer ("cuda_core" or "triton")."""
     routes: dict[str, str] = field(default_factory=dict)
     """Each opened D rank's route (`ipc_route.Route`)."""
-    """The gather-scatter kernel of the last opened peer ("cuda_core" or "triton")."""

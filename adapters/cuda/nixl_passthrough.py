@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from kvhandoff.adapters.nixl.push_transport import NixlPushTransport
 from kvhandoff.adapters.push_transport import EngineInfo, TransferHandle
-from kvhandoff.machines.runtime.bus import EventBus
 from kvhandoff.protocol.handshake import HandshakePayload
 from kvhandoff.protocol.tp_mapping import WHOLE, Chunk
 
@@ -67,10 +66,5 @@ class NixlPassthrough:
             remote_chunk=remote_chunk,
         )
 
-    def complete_writes(self, now: float) -> int:
-        """Writer thread: the NIXL-batched WRITEs' (B-13)."""
-        return self.inner.complete_writes(now)
-
-    def bind_bus(self, bus: EventBus) -> None:
-        """The NIXL-batched WRITEs' lifecycles run on the writer's bus."""
-        self.inner.bind_bus(bus)
+    def progress(self) -> None:
+        self.inner.progress()

@@ -376,6 +376,9 @@ class NixlPushTransport:
         """Post the WRITEs queued since the last flush, one transfer per D rank (B-13)."""
         return self.batcher.flush()
 
+    write_poll_interval_s: float | None = None
+    """NIXL transfers are polled at the writer's own interval."""
+
     def complete_writes(self, now: float) -> int:
         """Writer thread: settle the batched WRITEs that ended (their completion notifs
         leave here); returns how many are still in flight (B-13, R-P08)."""

@@ -24,23 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvhandoff.adapters.cuda.ipc_handles import IpcBatch, IpcHandle
 from kvhandoff.adapters.cuda.ipc_transport import IpcPushTransport
 from kvhandoff.adapters.push_rank import PushRank
 from kvhandoff.bench import push_child
-
-
-class _NullPeer:
-    """An opened D rank whose launches move nothing."""
-
-    device = None
-
-    def check_ids(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
-        if len(local_ids) != len(remote_ids):
-            raise ValueError("unequal block lists")
-
-    def retire(self, copy: object) -> None:
-        return None
 
 
 class _FiredEvent:
@@ -51,21 +37,26 @@ class _FiredEvent:
         return None
 
 
+class _NullPeer:
+    """An opened D rank whose launches move nothing and have ended at once."""
+
+    device = None
+
+    def check_ids(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
+        if len(local_ids) != len(remote_ids):
+            raise ValueError("unequal block lists")
+
+    def launch(self, local_ids: list[int], remote_ids: list[int]) -> _FiredEvent:
+        return _FiredEvent()
+
+    def retire(self, copy: object) -> None:
+        return None
+
+
 def _opened(self: IpcPushTransport, engine_id: str, rank: int) -> Any:
     if self.inner.engine(engine_id) is None:
         return None
     return self._mapped.setdefault(f"{engine_id}/{rank}", _NullPeer())  # type: ignore[arg-type]
-
-
-def _launch(self: IpcPushTransport, key: str, peer: Any, handles: list[IpcHandle]) -> None:
-    if not handles:
-        return
-    batch = IpcBatch(key, _FiredEvent(), handles)
-    with self._lock:
-        self.stats.launches += 1
-        for handle in handles:
-            handle.batch = batch
-        self._batches.append(batch)
 
 
 _PROFILE_DIR = os.environ.get("KVH_PROBE_PROFILE")
@@ -178,7 +169,6 @@ def _trace_d_passes() -> None:
 
 def main(argv: list[str]) -> int:
     IpcPushTransport._opened = _opened  # type: ignore[method-assign]
-    IpcPushTransport._launch = _launch  # type: ignore[method-assign]
     _note_sends()
     if argv[0] == "decode" and os.environ.get("KVH_PROBE_TRACE"):
         _trace_d_passes()
@@ -192,7 +182,7 @@ def main(argv: list[str]) -> int:
         for cls, names in (
             (PushRank, ("writer_pass", "step", "_take_writer_items")),
             (PushSide, ("request_finished", "step", "build_connector_meta")),
-            (IpcPushTransport, ("poll", "_progress", "_complete", "write_blocks")),
+            (IpcPushTransport, ("poll", "flush_writes", "complete_writes", "write_blocks")),
             (PushWriter, ("on_command", "on_issued", "on_notif", "_to_slot", "_through")),
             (PushWorker, ("start_load_kv", "get_finished", "take_writer_items")),
             (RankWriterSide, ("_issue_write", "_physical_pair", "_flush_writes")),

@@ -1,5 +1,6 @@
 """`python -m kvhandoff.bench.probes.push_ipc_sweep`: the CLI's CUDA push bench over the
-CUDA IPC transport at several `ipc_launch_every` values (issue 18), one JSON line each."""
+CUDA IPC transport at several `ipc_launch_every` values (issue 18) and writer poll
+intervals while a launch runs (`ipc_poll_us`, issue 26), one JSON line each."""
 
 from __future__ import annotations
 
@@ -14,25 +15,22 @@ from kvhandoff.bench.push import config_for, run_push_bench
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--launch-every", default="0,8,32", help="0: one launch per pass")
-    parser.add_argument("--notifier", default="0,1", help="notifier thread off (0) / on (1)")
-    parser.add_argument("--at-flush", default="0", help="launch at poll (0) / at flush (1)")
+    parser.add_argument("--poll-us", default="100", help="writer poll while a launch runs, µs")
     parser.add_argument("--kernel", default="auto", help="cuda_core, triton or auto (each listed)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the variants, alternating")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     variants = [
-        (int(every), notifier == "1", flush == "1", kernel)
+        (int(every), float(poll), kernel)
         for every in args.launch_every.split(",")
-        for notifier in args.notifier.split(",")
-        for flush in args.at_flush.split(",")
+        for poll in args.poll_us.split(",")
         for kernel in args.kernel.split(",")
     ] * args.rounds
-    for every, notifier, at_flush, kernel in variants:
+    for every, poll, kernel in variants:
         cfg = replace(
             config_for("cuda", False, "cuda_ipc"),
             ipc_launch_every=every,
-            ipc_notifier=notifier,
-            ipc_launch_at_flush=at_flush,
+            ipc_poll_us=poll,
             ipc_kernel=kernel,
             reps=args.reps,
         )
@@ -42,8 +40,7 @@ def main() -> int:
             json.dumps(
                 {
                     "launch_every": every,
-                    "notifier": notifier,
-                    "at_flush": at_flush,
+                    "poll_us": poll,
                     "kernel": kernel,
                     **{k: result[k] for k in keep},
                     "verified": result["framework_verified"] and result["baseline_verified"],

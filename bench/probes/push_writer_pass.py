@@ -168,8 +168,10 @@ class MemoryTransport:
     def progress(self) -> None:
         return None
 
+    write_poll_interval_s: float | None = None
+
     def complete_writes(self, now: float) -> int:
-        return 0  # completed by the main thread's poll, as the CUDA IPC transport does
+        return 0  # a WRITE here ends when the main thread polls it: nothing to settle
 
     def bind_bus(self, bus: EventBus) -> None:
         return None

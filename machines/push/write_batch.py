@@ -4,7 +4,10 @@ requests to one D rank, from its post to the completion notifs of its requests.
 One instance per posted transfer, on the bus of the writer thread that posted it, keyed
 by a serial number. The writer thread alone drives it (R-P08: it is the only caller of
 WRITE and of the completion `send_notif`); the main thread only reads what `settle`
-published on each request's handle, and hands its releases to the writer.
+published on each request's handle, and hands its releases to the writer. A transfer is
+one NIXL WRITE carrying the descriptors of several requests (`adapters/nixl/push_batch.py`)
+or one CUDA IPC gather-scatter launch (`adapters/cuda/ipc_launches.py`); a launch cannot
+be cancelled, so a request released under it only keeps its notif back.
 
 - `in_flight`: the transfer is posted, with no notif attached (a NIXL transfer carries
   at most one). The writer polls it each pass while any is in flight.
@@ -43,6 +46,9 @@ class WriteBatchCtx:
     """The transport's handle of the posted transfer (opaque here)."""
     members: tuple[object, ...] = ()
     """The transport's per-request handles it carries (opaque here)."""
+    owner: object = None
+    """The queue that posted it, which executes its effects (opaque here: a rank's NIXL
+    batcher and its CUDA IPC launches share one bus)."""
 
 
 @dataclass(frozen=True, slots=True)

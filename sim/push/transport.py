@@ -252,6 +252,8 @@ class SimPushTransport:
         """B-13: one transfer per D agent for the WRITEs queued since the last flush."""
         return self.batcher.flush()
 
+    write_poll_interval_s: float | None = None
+
     def complete_writes(self, now: float) -> int:
         return self.batcher.complete(now)
 

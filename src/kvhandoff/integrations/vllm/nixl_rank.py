@@ -75,8 +75,6 @@ class RankAssembly:
     def close(self) -> None:
         self.writer.stop()
         self.executor.shutdown()
-        if self.ipc is not None:
-            self.ipc.close()
         self.agent.close()
 
 
