@@ -236,6 +236,10 @@ class WriteBatches(Generic[M]):
                 bus.dispatch(WRITE_BATCH, inst.ctx.key, TransferFailed(error), now)
         return len(self._mine()) if mine else 0
 
+    def in_flight(self) -> list[object]:
+        """The transfers this queue posted that have not settled yet, oldest first."""
+        return [inst.ctx.transfer for inst in self._mine()]
+
     def fail_group(self, group: Hashable, error: str, now: float) -> None:
         """Writer thread: the peer behind `group` is gone (B-08): its queued WRITEs fail
         unposted and its transfers in flight fail (each waits for its end in the

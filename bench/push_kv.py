@@ -62,6 +62,8 @@ class PushBenchConfig:
     (0: all of a writer pass in one launch, when the pass ends)."""
     ipc_poll_us: float = 100.0
     """cuda_ipc: how soon P's writer asks a running launch's event again."""
+    ipc_wait: bool = True
+    """cuda_ipc: P's writer waits for its running launches at the end of each pass."""
     ipc_kernel: str = "auto"
     """cuda_ipc: the gather-scatter kernel, "cuda_core", "triton" or "auto" (cuda_core
     where it loads)."""

@@ -79,6 +79,7 @@ class BenchSide:
                 export=role == "decode",
                 launch_every=cfg.ipc_launch_every,
                 poll_interval_s=cfg.ipc_poll_us * 1e-6,
+                wait_launches=cfg.ipc_wait,
                 kernel=cfg.ipc_kernel,  # type: ignore[arg-type]
                 cross_device=cfg.ipc_cross_device,  # type: ignore[arg-type]
             )

@@ -84,12 +84,16 @@ def _export() -> bytes:
     return encode_export(IpcExport(IPC_EXPORT_VERSION, "h/b", "0000:01:00.0", (), (), ()))
 
 
-def _transport(launch_every: int = 0) -> tuple[StubNixl, IpcPushTransport, FakePeer, EventBus]:
+def _transport(
+    launch_every: int = 0, wait: bool = False
+) -> tuple[StubNixl, IpcPushTransport, FakePeer, EventBus]:
+    """Polling the launches (`wait_launches` off) unless `wait`: a test ends them."""
     stub = StubNixl(slots=SLOTS)
     peer = FakePeer()
     ipc = IpcPushTransport(
         stub,  # type: ignore[arg-type]
         launch_every=launch_every,
+        wait_launches=wait,
         open_peer=lambda *_args: peer,  # type: ignore[arg-type,return-value]
     )
     writer_bus = EventBus()
@@ -125,6 +129,18 @@ def test_B_13_R_P08_a_pass_is_one_launch_per_rank_and_notifs_leave_after_it_ende
     assert [ipc.poll(h) for h in handles] == ["DONE"] * 3
     assert peer.retired == [launch], "the event goes back to its peer once done"
     assert bus.live(WRITE_BATCH) == 0 and ipc.stats.launches == 1
+
+
+def test_B_13_waiting_for_the_launches_sends_their_notifs_in_the_same_pass() -> None:
+    """`wait_launches` (the default): the writer's `complete_writes` waits for the copies
+    it launched, then their notifs leave at once; nothing is left in flight."""
+    stub, ipc, peer, bus = _transport(wait=True)
+    handles = [_write(ipc, i) for i in (0, 4)]
+    ipc.flush_writes()
+    assert _notifs(stub) == []
+    assert ipc.complete_writes(1.0) == 0
+    assert peer.launches[0].waited and _notifs(stub) == [b"req-0", b"req-4"]
+    assert [ipc.poll(h) for h in handles] == ["DONE", "DONE"] and bus.live(WRITE_BATCH) == 0
 
 
 def test_B_13_launch_every_launches_while_the_pass_goes_on() -> None:
@@ -206,7 +222,7 @@ def test_R_P07_the_writer_polls_a_running_launch_at_the_transports_interval() ->
     wakes at the IPC transport's interval, not its own millisecond; idle, it sleeps."""
     stub = StubNixl(slots=SLOTS)
     peer = FakePeer()
-    ipc = IpcPushTransport(stub, open_peer=lambda *_a: peer)  # type: ignore[arg-type,return-value]
+    ipc = IpcPushTransport(stub, wait_launches=False, open_peer=lambda *_a: peer)  # type: ignore[arg-type,return-value]
     rank = PushRank("prefill", "P", ipc, lambda _job: None)
     assert stub.bound is rank.writer_bus and ipc.bus is rank.writer_bus
     stub.inbox = [("d-agent", _export())]

@@ -97,6 +97,14 @@ class IpcLaunchIO:
             self._failed(launch, exc)
         launch.peer.retire(launch.copy)
 
+    def wait(self, transfer: object) -> None:
+        """Until the launch ended (the wait releases the GIL); an error ends it too."""
+        launch = _launch(transfer)
+        try:
+            launch.copy.synchronize()
+        except (RuntimeError, KvHandoffError) as exc:
+            self._failed(launch, exc)
+
     def send_notifs(self, first: IpcHandle, notifs: tuple[bytes, ...]) -> None:
         self._send_notifs(first.engine_id, first.rank, notifs)
 

@@ -16,21 +16,24 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--launch-every", default="0,8,32", help="0: one launch per pass")
     parser.add_argument("--poll-us", default="100", help="writer poll while a launch runs, µs")
+    parser.add_argument("--wait", default="0", help="writer waits for its launches: 0 / 1")
     parser.add_argument("--kernel", default="auto", help="cuda_core, triton or auto (each listed)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the variants, alternating")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     variants = [
-        (int(every), float(poll), kernel)
+        (int(every), float(poll), wait == "1", kernel)
         for every in args.launch_every.split(",")
         for poll in args.poll_us.split(",")
+        for wait in args.wait.split(",")
         for kernel in args.kernel.split(",")
     ] * args.rounds
-    for every, poll, kernel in variants:
+    for every, poll, wait, kernel in variants:
         cfg = replace(
             config_for("cuda", False, "cuda_ipc"),
             ipc_launch_every=every,
             ipc_poll_us=poll,
+            ipc_wait=wait,
             ipc_kernel=kernel,
             reps=args.reps,
         )
@@ -41,6 +44,7 @@ def main() -> int:
                 {
                     "launch_every": every,
                     "poll_us": poll,
+                    "wait": wait,
                     "kernel": kernel,
                     **{k: result[k] for k in keep},
                     "verified": result["framework_verified"] and result["baseline_verified"],
