@@ -135,8 +135,8 @@ class LaunchSlot:
 
 
 class GatherLaunches:
-    """One opened D rank's launches (see the module docstring). The IPC transport
-    launches under its launch lock; slots may be given back from another thread."""
+    """One opened D rank's launches (see the module docstring). P's writer thread alone
+    launches, waits for and gives back slots (`ipc_launches.py`): no lock."""
 
     def __init__(
         self,
@@ -170,7 +170,6 @@ class GatherLaunches:
         self._params = int(self._pointers.ctypes.data)
         self._free: list[LaunchSlot] = []
         self._slots: list[LaunchSlot] = []
-        self._pool_lock = threading.Lock()
         self._threads: set[int] = set()
         self._record: Any = rt.cudaEventRecord
         self._query: Any = rt.cudaEventQuery
@@ -206,24 +205,21 @@ class GatherLaunches:
         return slot
 
     def _take(self, n: int) -> LaunchSlot:
-        with self._pool_lock:
-            while self._free:
-                slot = self._free.pop()
-                if slot.capacity >= n:
-                    return slot
-                self._slots.remove(slot)  # too small for this launch: replaced
-                self.runtime.destroy_event(slot.event)
+        while self._free:
+            slot = self._free.pop()
+            if slot.capacity >= n:
+                return slot
+            self._slots.remove(slot)  # too small for this launch: replaced
+            self.runtime.destroy_event(slot.event)
         slot = LaunchSlot(self, max(n, 1024))
-        with self._pool_lock:
-            self._slots.append(slot)
+        self._slots.append(slot)
         return slot
 
     def retire(self, slot: object) -> None:
         """The slot's launch ended and its requests were completed: reusable (anything
         that is not one of this pool's slots is ignored)."""
-        with self._pool_lock:
-            if isinstance(slot, LaunchSlot) and slot in self._slots and slot not in self._free:
-                self._free.append(slot)
+        if isinstance(slot, LaunchSlot) and slot in self._slots and slot not in self._free:
+            self._free.append(slot)
 
     def query(self, event: int) -> bool:
         err = self._query(event)[0]
