@@ -81,6 +81,48 @@ class RecordingIO:
             raise KvHandoffError("send_notif refused")
 
 
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["queue", "flush", "land", "fail", "release", "complete"]),
+        st.integers(0, 5),  # which transfer or write
+        st.integers(0, 1),  # which D rank a queued write goes to
+    ),
+    max_size=40,
+)
+"""Interleavings of the writer's and the main thread's calls and the transfers' outcomes."""
+
+
+def _record_outcomes(writes: list[Write], seen: dict[int, XferState]) -> None:
+    """A published outcome never changes: record new ones, check the old ones."""
+    for i, write in enumerate(writes):
+        if i in seen:
+            assert write.xfer_status == seen[i], "a published outcome never changes"
+        elif write.xfer_status != "PROC":
+            seen[i] = write.xfer_status
+
+
+def _step(
+    batches: WriteBatches[Write],
+    io: RecordingIO,
+    writes: list[Write],
+    op: str,
+    index: int,
+    rank: int,
+    now: float,
+) -> None:
+    """Apply one of `OPS` other than "release" (each property releases in its own way)."""
+    if op == "queue":
+        writes.append(batches.queue(Write(rank, f"req-{len(writes)}:1".encode())))
+    elif op == "flush":
+        batches.flush()
+    elif op in ("land", "fail") and io.transfers:
+        transfer = io.transfers[index % len(io.transfers)]
+        if transfer.state == "PROC" and not transfer.released:
+            transfer.state = "DONE" if op == "land" else "ERR"
+    elif op == "complete":
+        batches.complete(now)
+
+
 def _posted(count: int = 3) -> tuple[RecordingIO, WriteBatches[Write], list[Write]]:
     io = RecordingIO()
     batches: WriteBatches[Write] = WriteBatches(io)
@@ -171,16 +213,7 @@ def test_B_13_a_request_released_before_the_flush_is_never_posted() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    ops=st.lists(
-        st.tuples(
-            st.sampled_from(["queue", "flush", "land", "fail", "release", "complete"]),
-            st.integers(0, 5),
-            st.integers(0, 1),
-        ),
-        max_size=40,
-    )
-)
+@given(ops=OPS)
 def test_B_13_every_request_ends_once_and_nothing_lands_after_its_release(
     ops: list[tuple[str, int, int]],
 ) -> None:
@@ -196,15 +229,7 @@ def test_B_13_every_request_ends_once_and_nothing_lands_after_its_release(
     now = 0.0
     for op, index, rank in ops:
         now += 1.0
-        if op == "queue":
-            writes.append(batches.queue(Write(rank, f"req-{len(writes)}:1".encode())))
-        elif op == "flush":
-            batches.flush()
-        elif op in ("land", "fail") and io.transfers:
-            transfer = io.transfers[index % len(io.transfers)]
-            if transfer.state == "PROC" and not transfer.released:
-                transfer.state = "DONE" if op == "land" else "ERR"
-        elif op == "release" and writes:
+        if op == "release" and writes:
             write = writes[index % len(writes)]
             in_flight = write.xfer_status == "PROC" and not write.released
             batches.release(write)
@@ -212,13 +237,9 @@ def test_B_13_every_request_ends_once_and_nothing_lands_after_its_release(
             if in_flight and transfer is not None and transfer.state == "PROC":
                 assert transfer.released, "cancelled at once, whatever the writer does"
                 cancelled.add(id(transfer))
-        elif op == "complete":
-            batches.complete(now)
-        for i, write in enumerate(writes):
-            if i in seen:
-                assert write.xfer_status == seen[i], "a published outcome never changes"
-            elif write.xfer_status != "PROC":
-                seen[i] = write.xfer_status
+        else:
+            _step(batches, io, writes, op, index, rank, now)
+        _record_outcomes(writes, seen)
     batches.flush()
     for transfer in io.transfers:
         if transfer.state == "PROC" and not transfer.released:
@@ -256,16 +277,7 @@ def test_B_13_two_queues_on_one_bus_each_settle_their_own() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    ops=st.lists(
-        st.tuples(
-            st.sampled_from(["queue", "flush", "land", "fail", "release", "complete"]),
-            st.integers(0, 5),
-            st.integers(0, 1),
-        ),
-        max_size=40,
-    )
-)
+@given(ops=OPS)
 def test_B_13_a_transfer_that_cannot_be_cancelled_runs_to_its_end(
     ops: list[tuple[str, int, int]],
 ) -> None:
@@ -281,31 +293,19 @@ def test_B_13_a_transfer_that_cannot_be_cancelled_runs_to_its_end(
     now = 0.0
     for op, index, rank in ops:
         now += 1.0
-        if op == "queue":
-            writes.append(batches.queue(Write(rank, f"req-{len(writes)}:1".encode())))
-        elif op == "flush":
-            batches.flush()
-        elif op in ("land", "fail") and io.transfers:
-            transfer = io.transfers[index % len(io.transfers)]
-            if transfer.state == "PROC":
-                transfer.state = "DONE" if op == "land" else "ERR"
-        elif op == "release" and writes:
+        if op == "release" and writes:
             write = writes[index % len(writes)]
             calls = len(io.calls)
             if write.xfer_status == "PROC":
                 released_before_notifs.add(write.notif)
             batches.release(write)
             assert len(io.calls) == calls, "the main thread's release calls no transport"
-        elif op == "complete":
-            batches.complete(now)
+        else:
+            _step(batches, io, writes, op, index, rank, now)
         for transfer in io.transfers:
             if transfer.released:
                 assert transfer.state != "PROC", "freed only once it ended"
-        for i, write in enumerate(writes):
-            if i in seen:
-                assert write.xfer_status == seen[i], "a published outcome never changes"
-            elif write.xfer_status != "PROC":
-                seen[i] = write.xfer_status
+        _record_outcomes(writes, seen)
     batches.flush()
     for transfer in io.transfers:
         if transfer.state == "PROC":
