@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvhandoff.adapters.push_transport import XferState
 
 if TYPE_CHECKING:
     from kvhandoff.adapters.cuda.ipc_peer import Copy, OpenedPeer
+    from kvhandoff.adapters.write_batches import WriteBatches
 
 __all__ = ["IpcHandle", "IpcLaunch", "IpcStats"]
 
@@ -54,12 +55,18 @@ class IpcLaunch:
 
 @dataclass(slots=True)
 class IpcStats:
+    queue: WriteBatches[Any] | None = field(default=None, repr=False)
+    """The transport's launch queue, which counts the launches."""
     ipc_writes: int = 0
     nixl_writes: int = 0
-    launches: int = 0
     opened_peers: int = 0
     refused_peers: dict[str, str] = field(default_factory=dict)
     kernel: str = ""
     """The gather-scatter kernel of the last opened peer ("cuda_core" or "triton")."""
     routes: dict[str, str] = field(default_factory=dict)
     """Each opened D rank's route (`ipc_route.Route`)."""
+
+    @property
+    def launches(self) -> int:
+        """Gather-scatter kernels launched (the launch queue's posted batches)."""
+        return 0 if self.queue is None else self.queue.batches_posted

@@ -46,12 +46,10 @@ class IpcLaunchIO:
         self,
         peer_of: Callable[[str], OpenedPeer | None],
         send_notifs: Callable[[str, int, Sequence[bytes]], None],
-        on_launch: Callable[[], None] = lambda: None,
     ) -> None:
         self._peer_of = peer_of
         """The opened mapping of a D rank's key (None: closed meanwhile)."""
         self._send_notifs = send_notifs
-        self._on_launch = on_launch
 
     def group(self, write: IpcHandle) -> str:
         return launch_group(write.engine_id, write.rank)
@@ -71,7 +69,6 @@ class IpcLaunchIO:
             copy = peer.launch(local, remote)
         except (RuntimeError, KvHandoffError) as exc:
             raise KvHandoffError(f"IPC gather-scatter launch failed: {exc}") from exc
-        self._on_launch()
         return IpcLaunch(key, copy, peer)
 
     def state(self, transfer: object) -> tuple[XferState, str]:
@@ -91,10 +88,7 @@ class IpcLaunchIO:
         if launch.retired:
             return
         launch.retired = True
-        try:
-            launch.copy.synchronize()  # at once when it ended; never reuse a running one
-        except (RuntimeError, KvHandoffError) as exc:
-            self._failed(launch, exc)
+        self.wait(launch)  # at once when it ended; never reuse a running one
         launch.peer.retire(launch.copy)
 
     def wait(self, transfer: object) -> None:

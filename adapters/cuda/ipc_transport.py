@@ -141,7 +141,6 @@ class IpcPushTransport(NixlPassthrough):
         100 µs, H100, bench/RESULTS.md). The wait is bounded by the bytes in flight at
         the GPU's copy rate (about 1 ms per GiB); new WRITEs would queue behind them on
         the copy stream anyway, and the writer's other inputs wait that long at most."""
-        self.stats = IpcStats()
         self._export: bytes | None = None
         if export:
             try:
@@ -151,7 +150,7 @@ class IpcPushTransport(NixlPassthrough):
         self.clock = clock
         self._offers: dict[str, bytes] = {}  # sender agent -> its latest export
         self._mapped: dict[str, OpenedPeer] = {}  # the opened ranks' mappings
-        self._launch_io = IpcLaunchIO(self._mapped.get, inner.send_notifs, self._count_launch)
+        self._launch_io = IpcLaunchIO(self._mapped.get, inner.send_notifs)
         self.launches: IpcLaunches = IpcLaunches(
             self._launch_io,
             post_every=launch_every,
@@ -161,14 +160,11 @@ class IpcPushTransport(NixlPassthrough):
         K-th WRITE queued for one D rank launches those K at once, copying while the
         writer still matches the pass's other requests; 0: a pass's WRITEs launch when it
         ends (`flush_writes`)."""
+        self.stats = IpcStats(self.launches)
         self.bus = EventBus()
         """`push.ipc_peer` instances, one per D rank that sent an export: this
         transport's own bus until `bind_bus` gives it the writer's."""
         self._bind_peers(self.bus)
-
-    @property
-    def launch_every(self) -> int:
-        return self.launches.post_every
 
     def bind_bus(self, bus: EventBus) -> None:
         """The writer's bus: the NIXL batches, the launches and the peers run on it."""
@@ -183,9 +179,6 @@ class IpcPushTransport(NixlPassthrough):
         if IPC_PEER.name not in bus.kinds():
             bus.register(IPC_PEER)
         bus.handle(CloseMappings, self._close_mappings)
-
-    def _count_launch(self) -> None:
-        self.stats.launches += 1
 
     def advertise(self, extensions: Sequence[str], auth_key_id: str) -> None:
         self.inner.advertise((*extensions, EXT_CUDA_IPC), auth_key_id)
